@@ -1,0 +1,5 @@
+import sys
+
+from specloop.cli import main
+
+sys.exit(main())

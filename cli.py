@@ -1,0 +1,110 @@
+"""``specloop`` command line: ``serve``, ``generate`` and ``plugins``.
+
+Imports stay lazy so ``specloop --help`` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any, Sequence
+
+from specloop.kernel.config import EngineConfig
+
+_SKIP = {"model", "plugin_options", "speculative_config", "disable_plugins"}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per :class:`EngineConfig` field, with vLLM's spelling (dashes)."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = str(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if "bool" in hint:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif "int" in hint and "float" not in hint:
+            group.add_argument(flag, type=int, default=default)
+        elif "float" in hint:
+            group.add_argument(flag, type=float, default=default)
+        else:
+            group.add_argument(flag, type=str, default=default)
+    group.add_argument("--speculative-config", type=str, default=None,
+                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    group.add_argument("--disable-plugin", action="append", default=[], dest="disable_plugins",
+                       help="block a plugin by name (repeatable)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine args present on ``args`` as ``EngineConfig`` keyword arguments."""
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if f.name not in _SKIP and hasattr(args, f.name)}
+    kwargs["speculative_config"] = getattr(args, "speculative_config", None)
+    kwargs["disable_plugins"] = tuple(getattr(args, "disable_plugins", ()) or ())
+    return kwargs
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from specloop.kernel.plugins import PluginManager
+
+    pm = PluginManager(disable=args.disable_plugins)
+    for kind, entries in pm.list_components().items():
+        print(f"{kind}:")
+        for e in entries:
+            print(f"  {e.name:<28} {e.source}")
+        if not entries:
+            print("  (none)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specloop", description="specloop LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API")
+    serve.add_argument("model_path", nargs="?", default=None,
+                       help="local Hugging Face model directory (default: the embedded default model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--log-level", default="info")
+    add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="generate text for prompts and stream it to the terminal")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--model", dest="model_path", default=None,
+                     help="local Hugging Face model directory (default: the embedded default model)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(gen)
+
+    plugins = sub.add_parser("plugins", help="list every registered component by kind")
+    plugins.add_argument("--disable-plugin", action="append", default=[], dest="disable_plugins")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "plugins":
+        return _cmd_plugins(args)
+    if args.command == "generate":
+        from specloop.frontend.cli import run_generate
+
+        return run_generate(args)
+    from specloop.server.cli import run_serve
+
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

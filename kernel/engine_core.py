@@ -1,0 +1,261 @@
+"""The microkernel: one engine step, and the busy loop that drives it (seed 000's tree).
+
+::
+
+    run_busy_loop
+      _process_input_queue    drain adds/aborts into the scheduler (await only when idle)
+      _process_engine_step    schedule -> execute_model -> sample_tokens -> update_from_output
+      post_step               take_draft_token_ids -> update_draft_token_ids
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable
+
+from .config import EngineConfig
+from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+from .plugins import PluginManager
+from .protocols import ModelRunner, Scheduler
+from .request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger("specloop")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an internal error and stopped; no further requests are served."""
+
+
+class EngineCore:
+    """Owns the scheduler and model runner and runs one step at a time (synchronously).
+
+    Components come from the plugin manager's registries by the names in ``config``; a test may
+    pass a ready ``runner`` instead.
+    """
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.plugins = plugins or PluginManager(disable=config.disable_plugins)
+        self.hooks = self.plugins.hooks
+        self.hooks.configure(config)
+        if runner is None:
+            runner = self.plugins.model_runners.create(self._runner_name(), config=config, plugins=self.plugins)
+        self.runner = runner
+        config.resolve(runner.model_max_len)
+        num_blocks = runner.initialize()
+        config.num_kv_blocks = num_blocks
+        self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
+                                                             num_blocks=num_blocks)
+        self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
+                                                                   kv_cache=self.kv_cache)
+        self.step_id = 0
+        self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
+        self.hooks.startup(self)
+
+    def _runner_name(self) -> str:
+        if self.config.model_runner:
+            return self.config.model_runner
+        runners = self.plugins.model_runners
+        if "gpu" in runners and self.config.device in ("auto", "cuda") and _cuda_available():
+            return "gpu"
+        return "torch"
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add_requests(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+            self.requests[request.request_id] = request
+        if requests:
+            self.hooks.request_added(requests)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Abort by id; unknown or already finished ids are ignored (invariant 9: a step already
+        running for them finishes, and its output for them is dropped by the scheduler)."""
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request in finished:
+            self.requests.pop(request.request_id, None)
+        if finished:
+            self.hooks.request_finished(finished)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
+        if preempted:
+            self.hooks.request_preempted(preempted, plan.step_id)
+        if plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        self.hooks.step_scheduled(plan)
+        t1 = time.perf_counter()
+        self.runner.execute_model(plan)
+        result = self.runner.sample_tokens()
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(plan, result)
+        t3 = time.perf_counter()
+        self.step_id = plan.step_id
+        self._emit_step_events(plan, result, outputs,
+                               {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
+        return outputs
+
+    def post_step(self) -> None:
+        drafts = self.runner.take_draft_token_ids()
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
+
+    def _emit_step_events(self, plan: SchedulerOutput, result: ModelRunnerOutput, outputs: EngineCoreOutputs,
+                          timings: dict[str, float]) -> None:
+        stats = outputs.scheduler_stats
+        if stats is not None and stats.num_drafts:
+            self.hooks.drafts_verified(plan.step_id, stats.num_drafts, stats.num_draft_tokens,
+                                       stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos))
+        finished = [r for r in (self.requests.pop(o.req_id, None) for o in outputs.outputs if o.finished)
+                    if r is not None]
+        if finished:
+            self.hooks.request_finished(finished)
+        self.hooks.step_finished(plan, result, outputs, timings)
+
+    def shutdown(self) -> None:
+        self.hooks.shutdown(self)
+        self.runner.shutdown()
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+OutputQueue = "asyncio.Queue[EngineCoreOutput]"
+
+
+class AsyncEngineCore:
+    """Runs :class:`EngineCore` in a busy loop on the running asyncio (uvloop) event loop.
+
+    Each request's output queue is registered before the request is enqueued (invariant 1). Steps
+    run on one worker thread when ``step_in_thread`` (the default), so the event loop keeps serving
+    HTTP during long steps; the scheduler is still only touched by one step at a time, and adds and
+    aborts that arrive during a step are drained after it.
+    """
+
+    def __init__(self, core: EngineCore, *, step_in_thread: bool = True) -> None:
+        self.core = core
+        self._input: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "specloop-step") if step_in_thread else None
+        self._stopping = False
+        self.errored: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+        self.on_outputs: list[Callable[[EngineCoreOutputs], None]] = []
+
+    # --- client side --------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task[None]:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run_busy_loop(), name="specloop-busy-loop")
+        return self._task
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self.errored is None
+
+    def add_request(self, request: Request) -> asyncio.Queue[EngineCoreOutput]:
+        if self.errored is not None:
+            raise EngineDeadError(f"engine is dead: {self.errored!r}")
+        if request.request_id in self._queues:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self._queues[request.request_id] = queue  # before enqueueing (invariant 1)
+        self._input.put_nowait(("add", request))
+        return queue
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            self._queues.pop(rid, None)
+        self._input.put_nowait(("abort", ids))
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._input.put_nowait(("wake", None))
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self.core.shutdown()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run_busy_loop(self) -> None:
+        try:
+            while not self._stopping:
+                await self._process_input_queue()
+                if self._stopping:
+                    break
+                await self._process_engine_step()
+        except Exception as e:  # an engine bug: fail every request loudly, stay inspectable
+            logger.exception("engine step failed; the engine is now dead")
+            self.errored = e
+            self._fail_all(f"engine error: {e!r}")
+        finally:
+            if self._stopping:
+                self._fail_all("engine shut down", reason=FinishReason.ABORT)
+
+    async def _process_input_queue(self) -> None:
+        if not self.core.has_unfinished_requests():
+            self._handle(await self._input.get())  # idle: block, no spinning
+        while not self._input.empty():
+            self._handle(self._input.get_nowait())
+
+    def _handle(self, item: tuple[str, Any]) -> None:
+        kind, payload = item
+        if kind == "add":
+            if payload.request_id in self._queues:  # not aborted while queued
+                self.core.add_requests([payload])
+        elif kind == "abort":
+            self.core.abort_requests(payload)
+
+    async def _process_engine_step(self) -> None:
+        if not self.core.has_unfinished_requests():
+            return
+        if self._executor is not None:
+            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+        else:
+            outputs = self._step()
+            await asyncio.sleep(0)  # let the event loop breathe between steps
+        self.num_steps += 1
+        self._dispatch(outputs)
+
+    def _step(self) -> EngineCoreOutputs:
+        outputs = self.core.step()
+        self.core.post_step()
+        return outputs
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        for out in outputs.outputs:
+            queue = self._queues.get(out.req_id)
+            if queue is None:  # aborted meanwhile: late output is dropped (invariant 9)
+                continue
+            queue.put_nowait(out)
+            if out.finished:
+                del self._queues[out.req_id]
+        for callback in self.on_outputs:
+            callback(outputs)
+
+    def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason=reason, error=message))
+        self._queues.clear()
