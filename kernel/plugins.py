@@ -19,6 +19,8 @@ DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 # ``@hookimpl`` functions; none is special-cased anywhere else.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
+    "specloop.plugins.kv_cache",
+    "specloop.plugins.scheduler",
 )
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",

@@ -39,6 +39,9 @@ class KVCacheManager(Protocol):
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while blocks are in use."""
 
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        """(tokens looked up, tokens found) in the prefix cache since the last call."""
+
 
 @runtime_checkable
 class Scheduler(Protocol):

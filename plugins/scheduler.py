@@ -1,0 +1,387 @@
+"""The built-in schedulers: one token-debt scheduler (seed 004 §7) with two queue policies.
+
+Every step pays down each request's debt ``num_tokens_with_spec - num_computed_tokens`` within the
+token budget, running requests first, then waiting ones. There are no prefill/decode phases: a
+prompt, a prompt chunk, a prefix-cache hit, a decode and a draft verification are all debts of
+different sizes. ``fcfs`` serves waiting requests in arrival order and preempts the most recently
+admitted; ``priority`` orders by ``(priority, arrival_time)`` and preempts the lowest priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from typing import Iterable
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.hookspecs import hookimpl
+from specloop.kernel.outputs import (CachedRequestData, DraftTokenIds, EngineCoreOutput, EngineCoreOutputs,
+                                     ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats)
+from specloop.kernel.protocols import KVCacheManager
+from specloop.kernel.request import Request, RequestStatus
+
+
+class FCFSScheduler:
+    """Implements :class:`specloop.kernel.protocols.Scheduler`; subclasses change the queue policy
+    through ``_enqueue``, ``_requeue_preempted``, ``_pop_waiting`` and ``_select_victim``."""
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs a resolved config (call EngineConfig.resolve first)")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.chunked_prefill = config.enable_chunked_prefill
+        # Without chunking a prompt must go in whole, so the per-request cap would only starve it.
+        self.long_prefill_threshold = config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+        # One sequence of max_model_len must fit alone, or a lone request could be preempted forever.
+        needed = -(-config.max_model_len // kv_cache.block_size)
+        if needed > kv_cache.num_blocks - 1:
+            raise ValueError(f"the KV cache ({kv_cache.num_blocks - 1} usable blocks of {kv_cache.block_size} "
+                             f"tokens) cannot hold one max_model_len={config.max_model_len} sequence "
+                             f"({needed} blocks); lower max_model_len or give the cache more blocks")
+
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: deque[Request] | list[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.step_id = 0
+        # Ids the runner must drop, reported in the next plan.
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        # Requests of each plan not yet committed, so late output finds the object it was made for.
+        self._in_flight: dict[int, dict[str, Request]] = {}
+        self._prompt_tokens: dict[int, int] = {}
+        self._num_preemptions = 0
+
+    # --- queue policy ---------------------------------------------------------------------------
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _requeue_preempted(self, request: Request) -> None:
+        self.waiting.appendleft(request)  # type: ignore[union-attr]
+
+    def _pop_waiting(self) -> Request:
+        return self.waiting.popleft()  # type: ignore[union-attr]
+
+    def _select_victim(self) -> Request:
+        return self.running[-1]
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: the prompt has {request.num_tokens} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self._enqueue(request)
+
+    def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> list[Request]:
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # --- schedule -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        admitted: list[Request] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            lookahead = self._lookahead(request, num_new)
+            while (blocks := self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
+                victim = self._select_victim()
+                index = self.running.index(victim)
+                if victim.request_id in num_scheduled:  # scheduled earlier this step: take it back
+                    budget += num_scheduled.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    scheduled_running.remove(victim)
+                self.running.pop(index)
+                self._preempt(victim)
+                preempted = True
+                if index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # the request itself was preempted; running[i] is now the next one
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = blocks
+            scheduled_running.append(request)
+            budget -= num_new
+            i += 1
+
+        # Admitting while preempting would only churn: the blocks just freed go to the preempted.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if self.chunked_prefill:
+                if 0 < self.long_prefill_threshold < num_new:
+                    num_new = self.long_prefill_threshold
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break  # the whole prompt waits for a step with room for it
+            lookahead = self.num_lookahead_tokens if num_hit + num_new >= request.num_tokens else 0
+            if self.kv_cache.allocate_slots(request, num_new, num_hit, hit_blocks, lookahead) is None:
+                break
+            self._pop_waiting()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            admitted.append(request)
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._build_plan(num_scheduled, new_block_ids, scheduled_running, admitted)
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """This step's share of a running request's debt."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new == 1 and request.spec_token_ids:
+            # Drafts only ride on a decode (never inside a prefill chunk), and only as many as can
+            # be committed without passing max_model_len.
+            num_new += min(len(request.spec_token_ids), max(self.max_model_len - 1 - request.num_tokens, 0))
+        if 0 < self.long_prefill_threshold < num_new:
+            num_new = self.long_prefill_threshold
+        return min(num_new, budget)
+
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Draft slots are only needed when this step samples, i.e. reaches the last known token."""
+        reaches_end = request.num_computed_tokens + num_new >= request.num_tokens
+        return self.num_lookahead_tokens if reaches_end else 0
+
+    def _build_plan(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                    scheduled_running: list[Request], admitted: list[Request]) -> SchedulerOutput:
+        running_data, spec_tokens = [], {}
+        for request in scheduled_running:
+            rid = request.request_id
+            num_spec = request.num_computed_tokens + num_scheduled[rid] - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[rid] = request.spec_token_ids[:num_spec]
+            running_data.append(CachedRequestData(rid, request.all_token_ids[request.num_tokens_sent:],
+                                                  new_block_ids[rid], request.num_computed_tokens))
+            request.num_tokens_sent = request.num_tokens
+        new_data, resumed_data = [], []
+        for request in admitted:
+            data = NewRequestData(request.request_id, list(request.prompt_token_ids),
+                                  list(request.output_token_ids), request.sampling_params,
+                                  self.kv_cache.get_block_ids(request.request_id), request.num_computed_tokens)
+            (resumed_data if request.status == RequestStatus.PREEMPTED else new_data).append(data)
+            request.status = RequestStatus.RUNNING
+            request.num_tokens_sent = request.num_tokens
+
+        now = time.monotonic()
+        num_prompt_tokens = 0
+        for request in (*scheduled_running, *admitted):
+            n = num_scheduled[request.request_id]
+            start = request.num_computed_tokens
+            num_prompt_tokens += max(min(start + n, request.num_prompt_tokens) - start, 0)
+            # Optimistic: the runner computes these positions this step; update_from_output rolls
+            # back the drafts it rejects (seed 004 §7.3).
+            request.num_computed_tokens = start + n
+            request.spec_token_ids = []
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+
+        plan = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=new_data,
+            scheduled_resumed_reqs=resumed_data,
+            scheduled_running_reqs=running_data,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=frozenset(self.finished_req_ids),
+            preempted_req_ids=frozenset(self.preempted_req_ids),
+            num_lookahead_tokens=self.num_lookahead_tokens,
+        )
+        self.finished_req_ids.clear()
+        self.preempted_req_ids.clear()
+        if num_scheduled:
+            self._in_flight[self.step_id] = {r.request_id: r for r in (*scheduled_running, *admitted)}
+            self._prompt_tokens[self.step_id] = num_prompt_tokens
+        return plan
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the blocks, start over from the prefix cache."""
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.preempted_req_ids.add(request.request_id)
+        self._requeue_preempted(request)
+
+    # --- commit ---------------------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        scheduled = self._in_flight.pop(plan.step_id, {})
+        stats = SchedulerStats(num_prompt_tokens=self._prompt_tokens.pop(plan.step_id, 0))
+        per_pos = [0] * self.num_lookahead_tokens
+        outputs = []
+        for i, rid in enumerate(result.req_ids):
+            request = scheduled.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted (or preempted) while the step ran: drop its output (invariant 9)
+            sampled = result.sampled_token_ids[i]
+            num_draft = len(plan.scheduled_spec_decode_tokens.get(rid, ()))
+            num_accepted = 0
+            if num_draft:
+                num_accepted = max(len(sampled) - 1, 0)
+                request.num_computed_tokens -= num_draft - num_accepted
+                request.num_draft_tokens += num_draft
+                request.num_accepted_tokens += num_accepted
+                stats.num_drafts += 1
+                stats.num_draft_tokens += num_draft
+                stats.num_accepted_tokens += num_accepted
+                if len(per_pos) < num_accepted:
+                    per_pos.extend([0] * (num_accepted - len(per_pos)))
+                for pos in range(num_accepted):
+                    per_pos[pos] += 1
+            kept = self._append_and_check_stop(request, sampled)
+            stats.num_generation_tokens += len(kept)
+            logprobs = result.logprobs[i] if result.logprobs is not None else None
+            prompt_logprobs = result.prompt_logprobs.get(rid)
+            if kept and request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if kept or request.is_finished or prompt_logprobs:
+                outputs.append(EngineCoreOutput(
+                    req_id=rid, new_token_ids=kept,
+                    new_logprobs=logprobs[:len(kept)] if logprobs is not None else None,
+                    new_prompt_logprobs=prompt_logprobs, finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_draft_tokens=num_draft, num_accepted_tokens=num_accepted))
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+        stats.num_accepted_tokens_per_pos = per_pos if stats.num_drafts else []
+        self._fill_stats(stats)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
+
+    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Commit sampled tokens one by one; a stop truncates exactly there, dropping the rest."""
+        for n, token in enumerate(sampled, 1):
+            request.append_output_token_ids(token)
+            if self._check_stop(request):
+                return sampled[:n]
+        return list(sampled)
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        # min_tokens holds back EOS and stop ids, never the length limits.
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def update_draft_token_ids(self, drafts: DraftTokenIds) -> None:
+        for rid, token_ids in zip(drafts.req_ids, drafts.draft_token_ids):
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            # Still inside its prefill: there is no verified last token for drafts to extend.
+            in_prefill = request.num_tokens - request.num_computed_tokens > 1
+            request.spec_token_ids = [] if in_prefill else list(token_ids)
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        stats = SchedulerStats()
+        self._fill_stats(stats)
+        return stats
+
+    def _fill_stats(self, stats: SchedulerStats) -> None:
+        stats.num_running_reqs = len(self.running)
+        stats.num_waiting_reqs = len(self.waiting)
+        stats.kv_cache_usage = self.kv_cache.usage
+        stats.prefix_cache_queries, stats.prefix_cache_hits = self.kv_cache.take_prefix_cache_stats()
+        stats.num_preemptions, self._num_preemptions = self._num_preemptions, 0
+
+
+class PriorityScheduler(FCFSScheduler):
+    """Waiting requests ordered by ``(priority, arrival_time)`` (lower first); the victim is the
+    running request with the lowest priority, the latest arrival among equals."""
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        super().__init__(config, kv_cache)
+        self.waiting = []
+
+    @staticmethod
+    def _key(request: Request) -> tuple[int, float]:
+        return request.priority, request.arrival_time
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort_right(self.waiting, request, key=self._key)  # type: ignore[arg-type]
+
+    def _requeue_preempted(self, request: Request) -> None:
+        self._enqueue(request)
+
+    def _pop_waiting(self) -> Request:
+        return self.waiting.pop(0)  # type: ignore[union-attr]
+
+    def _select_victim(self) -> Request:
+        return max(self.running, key=self._key)
+
+
+@hookimpl
+def specloop_register_schedulers(register) -> None:
+    register("fcfs", FCFSScheduler)
+    register("priority", PriorityScheduler)
