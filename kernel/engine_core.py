@@ -172,12 +172,16 @@ class AsyncEngineCore:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done() and self.errored is None
 
-    def add_request(self, request: Request) -> asyncio.Queue[EngineCoreOutput]:
+    def add_request(self, request: Request,
+                    queue: asyncio.Queue[EngineCoreOutput] | None = None) -> asyncio.Queue[EngineCoreOutput]:
+        """Register the request's output queue, then enqueue it. Pass ``queue`` to share one queue
+        between requests (the ``n`` completions of one parent request)."""
         if self.errored is not None:
             raise EngineDeadError(f"engine is dead: {self.errored!r}")
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self._queues[request.request_id] = queue  # before enqueueing (invariant 1)
         self._input.put_nowait(("add", request))
         return queue
