@@ -36,6 +36,9 @@ class ScriptedModelRunner:
     (from the config, else 1024), ``draft_accuracy`` (probability a proposed draft is right, 1.0),
     ``model_max_len`` (4096)."""
 
+    # Read by the frontend: no model directory (and so no default model) is needed.
+    requires_model = False
+
     def __init__(self, config: EngineConfig, plugins: Any = None) -> None:
         opts = dict(config.plugin_options.get("scripted", {}))
         self.config = config
