@@ -1,0 +1,164 @@
+"""``AsyncEngine``: the streaming API the HTTP server is built on.
+
+Requests are validated and tokenized in the caller's coroutine, their output queue is registered
+with the core before they are enqueued (invariant 1), and each request's outputs are detokenized in
+its own ``generate`` coroutine, so a slow or cancelled client never holds up the busy loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.engine_core import AsyncEngineCore, EngineDeadError
+from specloop.kernel.outputs import EngineCoreOutput, EngineCoreOutputs
+from specloop.kernel.plugins import PluginManager
+from specloop.kernel.request import FinishReason
+from specloop.kernel.sampling_params import SamplingParams
+
+from .input_processor import PromptType
+from .loader import LoadedEngine, make_config
+from .output_processor import EngineStats, RequestState
+from .outputs import RequestOutput
+from .tokenizer import Tokenizer
+
+
+class AsyncEngine:
+    """An engine driven by an asyncio busy loop; many concurrent ``generate`` streams.
+
+    :param config: the engine config; resolved in place (``max_model_len`` etc.) once the model loads.
+    :param plugins: the plugin manager (default: built-ins plus entry points, minus disabled ones).
+    :param step_in_thread: run each engine step on a worker thread so the event loop stays responsive.
+    """
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, *,
+                 step_in_thread: bool = True) -> None:
+        loaded = LoadedEngine(config, plugins)
+        self.config: EngineConfig = loaded.config
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        self.model_name: str = loaded.model_name
+        self.vocab_size: int = loaded.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        self.processor = loaded.processor
+        self.engine_core = AsyncEngineCore(loaded.core, step_in_thread=step_in_thread)
+        self.stats = EngineStats()
+        self.engine_core.on_outputs.append(self._record_step)
+        # Live requests by the caller's id, and the output queue their completions share.
+        self._states: dict[str, RequestState] = {}
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._shut_down = False
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, *, step_in_thread: bool = True,
+                         plugins: PluginManager | None = None, **engine_args: Any) -> AsyncEngine:
+        """``model`` is a local HF directory; None means the embedded default model."""
+        return cls(make_config(model, engine_args), plugins, step_in_thread=step_in_thread)
+
+    @property
+    def core(self):  # the synchronous EngineCore, for plugins and tests
+        return self.engine_core.core
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine_core.is_running
+
+    @property
+    def errored(self) -> BaseException | None:
+        return self.engine_core.errored
+
+    async def start(self) -> None:
+        """Start the busy loop on the running event loop; calling it again does nothing."""
+        if self._shut_down:
+            raise EngineDeadError("the engine has been shut down")
+        self.engine_core.start()
+
+    async def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        await self.engine_core.shutdown()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` (a vLLM-like message) when the request cannot be served."""
+        self.processor.validate(prompt_token_ids, params)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return self.processor.default_max_tokens(prompt_len)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.encode(text, add_special_tokens)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
+                       priority: int = 0, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs.
+
+        :param prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+        :param delta: each output carries only what is new per completion (text, token ids,
+            logprobs); otherwise everything so far. The last output has ``finished=True``.
+        :raises ValueError: invalid input, before anything is enqueued.
+        :raises EngineDeadError: the engine failed while serving the request.
+
+        Cancelling the consuming task, or closing the generator early, aborts the request (all
+        ``n`` completions) in the core.
+        """
+        prompt_text, prompt_ids = self.processor.parse(prompt)
+        self.validate(prompt_ids, params)
+        await self.start()
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
+        state = RequestState(request_id, prompt_text, requests, self.tokenizer)
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.engine_core.add_request(request, queue)
+                added.append(request.request_id)
+        except BaseException:
+            self.engine_core.abort(added)
+            raise
+        self._states[request_id] = state
+        self._queues[request_id] = queue
+        self.stats.num_requests_added += len(requests)
+        try:
+            while not state.finished:
+                outs = [await queue.get()]
+                while not queue.empty():  # merge what piled up while this client was slow
+                    outs.append(queue.get_nowait())
+                to_abort = state.process(outs)
+                if to_abort:
+                    self.engine_core.abort(to_abort)
+                if state.error is not None and any(o.finish_reason == FinishReason.ERROR for o in outs):
+                    raise EngineDeadError(state.error)
+                out = state.make_output(delta)
+                if out is not None:
+                    yield out
+        finally:
+            if not state.finished:
+                self.engine_core.abort(state.unfinished_ids())
+                state.abort()
+            self._states.pop(request_id, None)
+            self._queues.pop(request_id, None)
+            self.stats.record_finished(state)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (all its completions); its ``generate`` stream ends with ``finish_reason="abort"``.
+        Unknown or finished ids are ignored."""
+        state = self._states.get(request_id)
+        if state is None:
+            self.engine_core.abort([request_id])
+            return
+        ids = state.unfinished_ids()
+        self.engine_core.abort(ids)  # drops the core's queues for them: later outputs are dropped
+        queue = self._queues[request_id]
+        for rid in ids:
+            queue.put_nowait(EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT))
+
+    def _record_step(self, outputs: EngineCoreOutputs) -> None:
+        self.stats.record_step(outputs.scheduler_stats)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Engine-wide counters (requests, tokens, preemptions, prefix cache, KV usage, queue
+        lengths, speculative decoding)."""
+        return self.stats.as_dict()

@@ -1,0 +1,115 @@
+"""From what a caller sends to the ``Request``s the core schedules: prompt parsing, tokenization,
+validation against the model (vocabulary, context length), and the ``n > 1`` fan-out."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.request import Request
+from specloop.kernel.sampling_params import SamplingParams
+
+from .tokenizer import Tokenizer
+
+# A text prompt, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (vLLM's prompt dicts).
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    """The core's id for completion ``index`` of a request with ``n > 1`` (vLLM's spelling)."""
+    return f"{index}_{request_id}"
+
+
+class InputProcessor:
+    """Shared by :class:`~specloop.frontend.llm.LLM` and :class:`~specloop.frontend.async_engine.AsyncEngine`.
+
+    :param config: the resolved engine config (``max_model_len`` set).
+    :param tokenizer: None when the engine runs without one (token-id prompts only).
+    :param vocab_size: the model's vocabulary size (may exceed the tokenizer's).
+    :param eos_token_ids: ids that end a completion unless ``ignore_eos``.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        assert config.max_model_len is not None, "the engine config must be resolved first"
+        self.max_model_len: int = config.max_model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def parse(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token-id prompts) and its token ids."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"unsupported prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+            if prompt.get("prompt_token_ids") is not None:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt cannot be empty.")
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer, and this engine runs without one "
+                             "(skip_tokenizer_init); send prompt_token_ids instead")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @staticmethod
+    def _check_ids(ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return list(ids)
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """How many tokens fit after a prompt of ``prompt_len`` tokens."""
+        return max(self.max_model_len - prompt_len, 0)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("The prompt cannot be empty.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary: prompt token ids must be in "
+                             f"[0, {self.vocab_size}).")
+        if n >= self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                             f"request has {n} input tokens, which leaves no room for output. Please reduce the "
+                             "length of the input.")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {n + params.max_tokens} tokens ({n} in the input, {params.max_tokens} in "
+                             "the completion). Please reduce the length of the input or completion.")
+        params.verify_vocab(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine runs without one "
+                             "(skip_tokenizer_init); use stop_token_ids instead")
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+        """One request, or ``n`` child requests (ids ``f"{i}_{request_id}"``, seeds ``seed + i``)."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        requests = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if child.max_tokens is None:
+                child.max_tokens = self.default_max_tokens(len(prompt_token_ids))
+            if params.n > 1 and params.seed is not None:
+                child.seed = params.seed + i
+            rid = request_id if params.n == 1 else child_request_id(i, request_id)
+            requests.append(Request(rid, list(prompt_token_ids), child, eos_token_ids=self.eos_token_ids,
+                                    arrival_time=arrival, priority=priority))
+        return requests
