@@ -21,6 +21,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
+    "specloop.server.routes",
 )
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",

@@ -1,0 +1,395 @@
+"""The OpenAI wire format: request bodies parsed and checked into typed requests, and the response
+objects (completions, chat completions, their stream chunks, usage, logprobs) built as plain dicts.
+
+Parsing is strict about types (an integer field refuses ``true`` and ``"3"``) and lenient about
+unknown fields (ignored, as OpenAI-compatible servers do). Every problem raises :class:`BadRequest`
+naming the field in ``param``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+
+from specloop.frontend.outputs import Logprob
+from specloop.kernel.sampling_params import SamplingParams
+
+from .errors import BadRequest, from_value_error
+
+_MISSING = object()
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"The request body must be a JSON object, got {type(data).__name__}.")
+    return data
+
+
+class Fields:
+    """Typed reads of one JSON object; ``None`` (JSON null) reads as the default."""
+
+    def __init__(self, body: dict[str, Any], prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix
+
+    def _raw(self, name: str) -> Any:
+        value = self.body.get(name)
+        return _MISSING if value is None else value
+
+    def _bad(self, name: str, want: str, value: Any) -> BadRequest:
+        return BadRequest(f"'{self.prefix}{name}' must be {want}, got {_show(value)}.", param=self.prefix + name)
+
+    def int(self, name: str, default: int | None = None) -> int | None:
+        v = self._raw(name)
+        if v is _MISSING:
+            return default
+        if not _is_int(v):
+            raise self._bad(name, "an integer", v)
+        return v
+
+    def float(self, name: str, default: float | None = None) -> float | None:
+        v = self._raw(name)
+        if v is _MISSING:
+            return default
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            raise self._bad(name, "a number", v)
+        return float(v)
+
+    def bool(self, name: str, default: bool = False) -> bool:
+        v = self._raw(name)
+        if v is _MISSING:
+            return default
+        if not isinstance(v, bool):
+            raise self._bad(name, "a boolean", v)
+        return v
+
+    def str(self, name: str, default: str | None = None) -> str | None:
+        v = self._raw(name)
+        if v is _MISSING:
+            return default
+        if not isinstance(v, str):
+            raise self._bad(name, "a string", v)
+        return v
+
+    def str_list(self, name: str) -> list[str]:
+        """A string or a list of strings (``stop``)."""
+        v = self._raw(name)
+        if v is _MISSING:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise self._bad(name, "a string or a list of strings", v)
+        return v
+
+    def int_list(self, name: str) -> list[int]:
+        v = self._raw(name)
+        if v is _MISSING:
+            return []
+        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            raise self._bad(name, "a list of integers", v)
+        return v
+
+    def object(self, name: str) -> dict[str, Any] | None:
+        v = self._raw(name)
+        if v is _MISSING:
+            return None
+        if not isinstance(v, dict):
+            raise self._bad(name, "an object", v)
+        return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _logit_bias(f: Fields) -> dict[int, float] | None:
+    raw = f.object("logit_bias")
+    if raw is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {_show(key)}.", param="logit_bias") from None
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise BadRequest(f"'logit_bias' values must be numbers, got {_show(value)}.", param="logit_bias")
+        bias[token_id] = float(value)
+    return bias
+
+
+def _sampling_kwargs(f: Fields) -> dict[str, Any]:
+    """The fields both endpoints share, as :class:`SamplingParams` keyword arguments."""
+    return {
+        "n": f.int("n", 1),
+        "temperature": f.float("temperature", 1.0),
+        "top_p": f.float("top_p", 1.0),
+        "top_k": f.int("top_k", 0),
+        "min_p": f.float("min_p", 0.0),
+        "seed": f.int("seed"),
+        "presence_penalty": f.float("presence_penalty", 0.0),
+        "frequency_penalty": f.float("frequency_penalty", 0.0),
+        "repetition_penalty": f.float("repetition_penalty", 1.0),
+        "stop": f.str_list("stop"),
+        "stop_token_ids": f.int_list("stop_token_ids"),
+        "ignore_eos": f.bool("ignore_eos"),
+        "min_tokens": f.int("min_tokens", 0),
+        "logit_bias": _logit_bias(f),
+        "include_stop_str_in_output": f.bool("include_stop_str_in_output"),
+        "skip_special_tokens": f.bool("skip_special_tokens", True),
+        "spaces_between_special_tokens": f.bool("spaces_between_special_tokens", True),
+    }
+
+
+def _stream_flags(f: Fields) -> tuple[bool, bool]:
+    stream = f.bool("stream")
+    options = f.object("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    return stream, bool(Fields(options, "stream_options.").bool("include_usage"))
+
+
+def _check_sampling(kwargs: dict[str, Any], max_tokens: int | None) -> None:
+    """Run SamplingParams' own validation now, before any tokenization."""
+    try:
+        SamplingParams(**kwargs, max_tokens=max_tokens)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+# --- requests --------------------------------------------------------------------------------
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    """``POST /v1/completions``. Set by :func:`parse_completion_request`."""
+
+    model: str | None
+    prompts: list[Prompt]  # each a text or token ids
+    sampling: dict[str, Any]  # SamplingParams kwargs except max_tokens / logprobs
+    max_tokens: int | None  # None: what fits in the context
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None
+    user: str | None
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """``POST /v1/chat/completions``. Set by :func:`parse_chat_request`."""
+
+    model: str | None
+    messages: list[dict[str, str]]  # role + content (text parts joined)
+    sampling: dict[str, Any]
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top_logprobs when logprobs is true, else None
+    add_generation_prompt: bool
+    user: str | None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _prompts(value: Any) -> list[Prompt]:
+    """A string, a list of strings, token ids, or a list of token-id lists."""
+    if value is None:
+        raise BadRequest("'prompt' is required.", param="prompt")
+    if isinstance(value, str):
+        prompts: list[Any] = [value]
+    elif isinstance(value, list) and value and all(_is_int(t) for t in value):
+        prompts = [value]
+    elif isinstance(value, list) and all(isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p))
+                                         for p in value):
+        prompts = value
+    else:
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                         f"token-id lists, got {_show(value)}.", param="prompt")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise BadRequest("'prompt' must not be empty.", param="prompt")
+    return prompts
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    f = Fields(body)
+    stream, include_usage = _stream_flags(f)
+    if f.str("suffix") is not None:
+        raise BadRequest("'suffix' is not supported.", param="suffix")
+    sampling = _sampling_kwargs(f)
+    best_of = f.int("best_of")
+    if best_of is not None and best_of != sampling["n"]:
+        raise BadRequest("'best_of' is not supported (other than equal to 'n').", param="best_of")
+    max_tokens = f.int("max_tokens")
+    logprobs = f.int("logprobs")
+    echo = f.bool("echo")
+    _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    return CompletionRequest(model=f.str("model"), prompts=_prompts(body.get("prompt")), sampling=sampling,
+                             max_tokens=max_tokens, stream=stream, include_usage=include_usage, echo=echo,
+                             logprobs=logprobs, user=f.str("user"))
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _message(i: int, m: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BadRequest(f"'{where}' must be an object, got {_show(m)}.", param="messages")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise BadRequest(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {_show(role)}.",
+                         param="messages")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise BadRequest(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                                 f"got {_show(part)}.", param="messages")
+            parts.append(part["text"])
+        content = "\n".join(parts)
+    if not isinstance(content, str):
+        raise BadRequest(f"'{where}.content' must be a string or a list of text parts, got {_show(content)}.",
+                         param="messages")
+    return {"role": role, "content": content}
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    f = Fields(body)
+    stream, include_usage = _stream_flags(f)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of messages.", param="messages")
+    sampling = _sampling_kwargs(f)
+    max_tokens = f.int("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = f.int("max_tokens")
+    want_logprobs = f.bool("logprobs")
+    top_logprobs = f.int("top_logprobs")
+    if top_logprobs is not None and not want_logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs' to be true.", param="top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise BadRequest(f"'top_logprobs' must be in [0, 20], got {top_logprobs}.", param="top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    return ChatRequest(model=f.str("model"), messages=[_message(i, m) for i, m in enumerate(messages)],
+                       sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
+                       logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
+                       user=f.str("user"), chat_template_kwargs=f.object("chat_template_kwargs") or {})
+
+
+# --- responses -------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+TokenText = Callable[[int, Logprob], str]
+
+
+def _ranked(entries: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(entries.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                   -kv[1].logprob))
+
+
+class CompletionLogprobs:
+    """The legacy completions ``logprobs`` object, built incrementally so stream chunks carry only
+    their own tokens while ``text_offset`` keeps counting from the start of the choice's text."""
+
+    def __init__(self, token_text: TokenText, offset: int = 0) -> None:
+        self.token_text = token_text
+        self.offset = offset
+
+    def build(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entries in zip(token_ids, logprobs):
+            entry = entries.get(tid) if entries else None
+            text = self.token_text(tid, entry) if entry is not None else self.token_text(tid, Logprob(0.0))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(entry.logprob if entry is not None else None)
+            out["top_logprobs"].append({self.token_text(t, lp): lp.logprob for t, lp in _ranked(entries)}
+                                       if entries else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], top: int,
+                  token_text: TokenText) -> dict[str, Any]:
+    """Chat's ``logprobs.content``: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    content = []
+    for tid, entries in zip(token_ids, logprobs):
+        entries = entries or {}
+        entry = entries.get(tid, Logprob(float("nan")))
+        text = token_text(tid, entry)
+        alternatives = [lp for lp in _ranked(entries) if lp[1].rank is None or lp[1].rank <= top][:top]
+        content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8")),
+                        "top_logprobs": [{"token": (t := token_text(a, lp)), "logprob": lp.logprob,
+                                          "bytes": list(t.encode("utf-8"))} for a, lp in alternatives]})
+    return {"content": content}
+
+
+def completion_response(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                        usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def completion_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage_: dict[str, int] | None = None, *, with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices}
+    if with_usage_field:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_response(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                  usage_: dict[str, int]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, int] | None = None, *, with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,181 @@
+"""The built-in HTTP routes, contributed through ``specloop_register_routes`` exactly as a
+third-party plugin would add its own: ``register(name, factory)`` where ``factory(state)`` returns a
+Starlette route and ``state`` is the app's :class:`~specloop.server.app.ServerState`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import specloop
+from specloop.kernel.hookspecs import hookimpl
+
+from . import protocol
+from .app import read_body
+from .errors import BadRequest
+from .metrics import CONTENT_TYPE
+from .serving import (ChatContext, ClientDisconnected, CompletionContext, EventStream, Generation, PromptInput,
+                      collect_chat, collect_completion, engine_unavailable, stream_chat, stream_completion,
+                      unless_disconnected)
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+Handler = Callable[["ServerState", Request], Awaitable[Response]]
+
+
+def json_response(data: Any, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
+
+
+async def _json_body(state: ServerState, request: Request) -> dict[str, Any]:
+    return protocol.parse_json_object(await read_body(request, state.limits.max_body_bytes))
+
+
+def _ready(state: ServerState) -> None:
+    error = engine_unavailable(state)
+    if error is not None:
+        raise error
+
+
+async def _collected(request: Request, gen: Generation, work: Awaitable[dict[str, Any]]) -> Response:
+    try:
+        return json_response(await unless_disconnected(request, work))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        await gen.cancel()
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    req = protocol.parse_completion_request(await _json_body(state, request))
+    model = state.resolve_model(req.model)
+    state.check_n(req.sampling["n"])
+    if len(req.prompts) > state.limits.max_prompts:
+        raise BadRequest(f"'prompt' may hold at most {state.limits.max_prompts} prompts on this server, "
+                         f"got {len(req.prompts)}.", param="prompt")
+    _ready(state)
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    inputs = []
+    for prompt in req.prompts:
+        ids, text = state.encode_prompt(prompt, echo=req.echo)
+        params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="prompt",
+                                       logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        inputs.append(PromptInput(ids, text, params))
+    request_id = protocol.new_id("cmpl")
+    ctx = CompletionContext(request_id, protocol.now(), model, req.echo, req.logprobs, req.include_usage)
+    gen = Generation(state, request_id, inputs)
+    if req.stream:
+        return EventStream(stream_completion(state, gen, ctx), gen.cancel)
+    return await _collected(request, gen, collect_completion(state, gen, ctx))
+
+
+def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool,
+                 kwargs: dict[str, Any]) -> list[int]:
+    tokenizer = state.require_tokenizer("A chat request")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(f"The messages could not be rendered with the chat template: {e}", param="messages") from None
+    # The template already spells the special tokens (BOS, role markers).
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise BadRequest("The rendered conversation is empty.", param="messages")
+    return ids
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    req = protocol.parse_chat_request(await _json_body(state, request))
+    model = state.resolve_model(req.model)
+    state.check_n(req.sampling["n"])
+    _ready(state)
+    ids = _render_chat(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="messages",
+                                   logprobs=req.logprobs)
+    request_id = protocol.new_id("chatcmpl")
+    ctx = ChatContext(request_id, protocol.now(), model, req.logprobs, req.include_usage)
+    gen = Generation(state, request_id, [PromptInput(ids, None, params)])
+    if req.stream:
+        return EventStream(stream_chat(state, gen, ctx), gen.cancel)
+    return await _collected(request, gen, collect_chat(state, gen, ctx))
+
+
+async def list_models(state: ServerState, request: Request) -> Response:
+    root = getattr(state.engine.config, "model", None)
+    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "specloop", "root": root,
+             "parent": None, "max_model_len": state.max_model_len} for name in state.served_model_names]
+    return json_response({"object": "list", "data": data})
+
+
+async def health(state: ServerState, request: Request) -> Response:
+    if state.engine.errored is not None or not state.engine.is_running:
+        error = engine_unavailable(state)
+        assert error is not None
+        return error.to_response()
+    return Response(status_code=200)
+
+
+async def metrics(state: ServerState, request: Request) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def version(state: ServerState, request: Request) -> Response:
+    return json_response({"version": specloop.__version__})
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+    body = await _json_body(state, request)
+    f = protocol.Fields(body)
+    state.resolve_model(f.str("model"))
+    if body.get("messages") is not None:
+        chat = protocol.parse_chat_request({"messages": body["messages"]})
+        ids = _render_chat(state, chat.messages, f.bool("add_generation_prompt", True), {})
+    else:
+        prompt = f.str("prompt")
+        if prompt is None:
+            raise BadRequest("'prompt' (a string) or 'messages' is required.", param="prompt")
+        ids = state.require_tokenizer("Tokenizing").encode(prompt, add_special_tokens=f.bool("add_special_tokens", True))
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    """``{"tokens": [int]}`` -> ``{"prompt": str}``."""
+    body = await _json_body(state, request)
+    f = protocol.Fields(body)
+    state.resolve_model(f.str("model"))
+    if body.get("tokens") is None:
+        raise BadRequest("'tokens' (a list of token ids) is required.", param="tokens")
+    ids = f.int_list("tokens")
+    state.check_token_ids(ids, "tokens")
+    return json_response({"prompt": state.require_tokenizer("Detokenizing").decode(ids)})
+
+
+def _route(path: str, handler: Handler, methods: list[str]) -> Callable[[ServerState], Route]:
+    def factory(state: ServerState) -> Route:
+        return Route(path, partial(handler, state), methods=methods)
+    return factory
+
+
+BUILTIN_ROUTES: dict[str, tuple[str, Handler, list[str]]] = {
+    "completions": ("/v1/completions", create_completion, ["POST"]),
+    "chat_completions": ("/v1/chat/completions", create_chat_completion, ["POST"]),
+    "models": ("/v1/models", list_models, ["GET"]),
+    "health": ("/health", health, ["GET"]),
+    "metrics": ("/metrics", metrics, ["GET"]),
+    "version": ("/version", version, ["GET"]),
+    "tokenize": ("/tokenize", tokenize, ["POST"]),
+    "detokenize": ("/detokenize", detokenize, ["POST"]),
+}
+
+
+@hookimpl
+def specloop_register_routes(register: Callable[..., None]) -> None:
+    for name, (path, handler, methods) in BUILTIN_ROUTES.items():
+        register(name, _route(path, handler, methods))
