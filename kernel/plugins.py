@@ -21,6 +21,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
+    "specloop.proposers.ngram",
     "specloop.server.routes",
 )
 

@@ -1,0 +1,63 @@
+"""Prompt-lookup (n-gram) proposer: continue the sequence the way it continued before.
+
+The last ``n`` tokens (``prompt_lookup_max >= n >= prompt_lookup_min``) are looked up in the
+prompt + output; the tokens that followed the match become the drafts.
+
+Which match wins: the longest ``n`` first; among occurrences of that n-gram, the **earliest**
+(leftmost) one. The earliest occurrence has the longest continuation before it runs into the
+suffix itself and does not move as the sequence grows, so a repeating pattern keeps drafting the
+same continuation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.hookspecs import hookimpl
+
+from .base import DraftProposal, Proposer, ProposerInputs, draft_limits
+
+
+def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to ``k`` tokens following the earliest occurrence of the longest suffix n-gram
+    (``min_n <= n <= max_n``) that ends before the last token; empty when none matches."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = len(tokens)
+    max_n = min(max_n, length - 1)
+    if k <= 0 or max_n < min_n:
+        return tokens[:0]
+    # Row i compares the max_n tokens ending at i (i < length - 1) with the suffix, newest first:
+    # eq[i, m] = tokens[i - m] == tokens[length - 1 - m]; -1 pads never match a token id.
+    padded = np.concatenate([np.full(max_n - 1, -1, dtype=np.int64), tokens[:-1]])
+    eq = sliding_window_view(padded, max_n)[:, ::-1] == tokens[::-1][:max_n]
+    match_len = np.cumprod(eq, axis=1).sum(axis=1)
+    best = int(match_len.max())
+    if best < min_n:
+        return tokens[:0]
+    end = int(np.argmax(match_len == best))  # first (earliest) end of a longest match
+    return tokens[end + 1:end + 1 + k]
+
+
+class NgramProposer(Proposer):
+    """``speculative_config={"method": "ngram", "num_speculative_tokens": K,
+    "prompt_lookup_min": m, "prompt_lookup_max": M}``. Needs nothing from the target model."""
+
+    def __init__(self, config: EngineConfig, runner: Any = None) -> None:
+        super().__init__(config, runner)
+        spec = config.speculative_config
+        self.min_n = int(spec.prompt_lookup_min or 1)
+        self.max_n = int(spec.prompt_lookup_max or self.min_n)
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
+        return DraftProposal([find_ngram_continuation(t, self.min_n, self.max_n, int(k)).tolist()
+                              for t, k in zip(inputs.token_ids, limits)])
+
+
+@hookimpl
+def specloop_register_proposers(register) -> None:
+    register("ngram", NgramProposer)
