@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 16 MiB)")
+    serve.add_argument("--max-n", type=int, default=None, help="largest 'n' per request (default 16)")
+    serve.add_argument("--max-prompts", type=int, default=None, help="most prompts per completions request (default 64)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="longest prompt in tokens (default: max_model_len - 1)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and stream it to the terminal")

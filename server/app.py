@@ -210,7 +210,9 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     :param plugins: where routes come from; default: the engine's plugin manager.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    plugins = plugins or getattr(engine, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
+    if plugins is None:
+        core = getattr(engine, "core", None)
+        plugins = getattr(core, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
     state = ServerState(engine, names or [engine.model_name], api_key, limits or ServerLimits(), plugins)
     routes = [entry.load()(state) for entry in plugins.routes.entries()]
 
