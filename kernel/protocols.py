@@ -26,6 +26,10 @@ class KVCacheManager(Protocol):
         """Make room for ``num_new_tokens`` (+ lookahead) more positions. Returns the newly added
         block ids, or None, changing no state, when they do not fit."""
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks among its first ``num_computed_tokens`` positions in
+        the prefix cache; called at the commit point, so drafts are never published."""
+
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so tails are evicted first)."""
 

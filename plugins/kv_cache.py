@@ -64,7 +64,7 @@ class PagedKVCache:
 
         ``new_computed_blocks`` are prefix hits from :meth:`get_computed_blocks` (admission only).
         Returns the block ids appended to the table, or None, changing no state, when they do not
-        fit. Full blocks of committed tokens are then published; drafts and lookahead never are.
+        fit. Nothing is published here: the new slots hold no KV until the step has run.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("allocate_slots needs non-negative token counts")
@@ -89,9 +89,17 @@ class PagedKVCache:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         table.extend(hits)
         table.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in (*hits, *new_blocks)]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks among its first ``num_computed_tokens`` positions.
+
+        Called at the commit point with the verified count, so only KV that was really written
+        for committed tokens becomes shareable: never drafts (invariant 5), never slots of a step
+        that was taken back, and no request relies on KV another one writes in the same step.
+        """
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])

@@ -282,6 +282,7 @@ class FCFSScheduler:
                     per_pos.extend([0] * (num_accepted - len(per_pos)))
                 for pos in range(num_accepted):
                     per_pos[pos] += 1
+            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             kept = self._append_and_check_stop(request, sampled)
             stats.num_generation_tokens += len(kept)
             logprobs = result.logprobs[i] if result.logprobs is not None else None
