@@ -40,6 +40,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens  # stop strings count only after this many tokens (as vLLM)
+        self.num_tokens = 0
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -72,6 +74,7 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
         for i, token_id in enumerate(new_token_ids):
             self._ids.append(token_id)
+            self.num_tokens += 1
             text = self._decode(self._prefix_offset)
             if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
                 continue
@@ -80,7 +83,7 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
             old_len = len(self.output_text)
             self.output_text += delta
-            if self.stop and self._match_stop(old_len):
+            if self.stop and self.num_tokens > self.min_tokens and self._match_stop(old_len):
                 return i + 1
             self._released = len(self.output_text) - self._held_back()
         return None
@@ -118,7 +121,7 @@ class IncrementalDetokenizer:
             self.output_text += self._decode(self._prefix_offset)[len(self._prefix_text):]
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = ""
-            if self.stop:
+            if self.stop and self.num_tokens > self.min_tokens:
                 self._match_stop(old_len)
         self._released = len(self.output_text)
 

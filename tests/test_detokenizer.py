@@ -1,0 +1,142 @@
+import random
+
+import pytest
+from tokenizer_helpers import build_tokenizer
+
+from specloop.frontend.detokenizer import IncrementalDetokenizer
+from specloop.frontend.tokenizer import Tokenizer
+from specloop.kernel import SamplingParams
+
+REPLACEMENT = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer(build_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+def stream(tok, prompt_ids, out_ids, params=None, step=1, stop_terminated=False):
+    """Feed ``out_ids`` ``step`` tokens at a time; returns (deltas, detokenizer, tokens consumed)."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, params or SamplingParams())
+    deltas, consumed = [], 0
+    for i in range(0, len(out_ids), step):
+        chunk = out_ids[i:i + step]
+        last = i + step >= len(out_ids)
+        n = detok.update(chunk, stop_terminated=stop_terminated and last)
+        deltas.append(detok.take_delta())
+        if n is not None:
+            consumed += n
+            break
+        consumed += len(chunk)
+    detok.finish()
+    deltas.append(detok.take_delta())
+    return deltas, detok, consumed
+
+
+def split_points(tok, ids):
+    """Indices k where ids[:k] ends in the middle of a character."""
+    return [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(REPLACEMENT)]
+
+
+@pytest.mark.parametrize("text", ["Emoji test: 😀 🎉 🚀 👍🏽 and 👨‍👩‍👧", "你好，世界！今天天气很好。",
+                                  "mixed 日本語 and 😀 with ascii"])
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_multibyte_characters_split_across_tokens(tok, text, step):
+    prompt = tok.encode("Hello")
+    out = tok.encode(text, add_special_tokens=False)
+    assert split_points(tok, out), "the test text must split some character across tokens"
+    deltas, detok, _ = stream(tok, prompt, out, step=step)
+    assert "".join(deltas) == text == detok.text
+    assert all(REPLACEMENT not in d for d in deltas)
+
+
+def test_random_tokens_concatenate_to_full_decode(tok):
+    rng = random.Random(0)
+    prompt = tok.encode("Hi there")
+    for _ in range(50):
+        out = [rng.randrange(5, tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        deltas, detok, _ = stream(tok, prompt, out, step=rng.choice([1, 2, 4]))
+        assert "".join(deltas) == tok.decode(out) == detok.text
+
+
+def test_prompt_ending_mid_character(tok):
+    ids = tok.encode("Look: 😀🎉 done", add_special_tokens=False)
+    cuts = split_points(tok, ids)
+    assert cuts
+    for k in cuts:
+        prompt, out = ids[:k], ids[k:]
+        deltas, _, _ = stream(tok, prompt, out)
+        full, joined = "Look: 😀🎉 done", "".join(deltas)
+        # The character split across the boundary belongs to the output, whole: nothing is lost,
+        # nothing is broken, and the rest is the prompt's own text.
+        assert full.endswith(joined) and REPLACEMENT not in joined
+        assert tok.decode(prompt).startswith(full[:len(full) - len(joined)])
+        assert REPLACEMENT not in full[:len(full) - len(joined)]
+
+
+def test_stop_string_spanning_tokens(tok):
+    text = "The quick brown fox jumps over the lazy dog."
+    out = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([t]) for t in out]
+    # A stop string that starts inside one token and ends inside a later one.
+    i = next(i for i, p in enumerate(pieces) if len(p) >= 3 and i + 1 < len(pieces))
+    start = sum(len(p) for p in pieces[:i]) + 1
+    stop = text[start:start + len(pieces[i]) + 1]
+    params = SamplingParams(stop=[stop])
+    deltas, detok, consumed = stream(tok, tok.encode("x"), out, params)
+    assert detok.stop_reason == stop
+    assert "".join(deltas) == detok.text == text[:start]
+    # Consumed up to and including the token that completed the stop string (a later one).
+    ends = [sum(len(p) for p in pieces[:j + 1]) for j in range(len(pieces))]
+    completing = next(j for j, end in enumerate(ends) if end >= start + len(stop))
+    assert completing > i and consumed == completing + 1
+    incl = SamplingParams(stop=[stop], include_stop_str_in_output=True)
+    deltas, detok, _ = stream(tok, tok.encode("x"), out, incl)
+    assert "".join(deltas) == text[:start + len(stop)]
+
+
+def test_stop_prefix_is_held_back_then_released(tok):
+    out = tok.encode("Hello world", add_special_tokens=False)
+    params = SamplingParams(stop=["worldwide", "lo x"])
+    detok = IncrementalDetokenizer(tok, tok.encode("x"), params)
+    seen = ""
+    for t in out:
+        assert detok.update([t]) is None
+        seen += detok.take_delta()
+        held = detok.output_text[len(seen):]
+        # What is held back is a tail that could still grow into a stop string, and the longest one.
+        assert detok.output_text.startswith(seen)
+        assert held == "" or any(s.startswith(held) for s in params.stop)
+        assert not seen or not any(s.startswith(detok.output_text[len(seen) - 1:]) for s in params.stop)
+    assert seen == "Hello "  # "world" could still become "worldwide"
+    detok.finish()
+    assert seen + detok.take_delta() == "Hello world"
+    assert detok.stop_reason is None
+
+
+def test_earliest_stop_string_wins_and_min_tokens(tok):
+    out = tok.encode("one two three four", add_special_tokens=False)
+    _, detok, _ = stream(tok, [5], out, SamplingParams(stop=["four", "two"]))
+    assert detok.stop_reason == "two" and detok.text == "one "
+    # Stop strings are not checked before min_tokens tokens are out.
+    n_before_two = len(tok.encode("one two", add_special_tokens=False))
+    _, detok, _ = stream(tok, [5], out, SamplingParams(stop=["two", "four"], min_tokens=n_before_two, max_tokens=99))
+    assert detok.stop_reason == "four" and detok.text == "one two three "
+
+
+def test_stop_token_text_excluded_unless_asked(tok):
+    out = tok.encode("Hello", add_special_tokens=False) + tok.encode(" world", add_special_tokens=False)[:1]
+    last = tok.decode(out[-1:])
+    _, detok, _ = stream(tok, [5], out, SamplingParams(), stop_terminated=True)
+    assert detok.text == tok.decode(out[:-1])
+    _, detok, _ = stream(tok, [5], out, SamplingParams(include_stop_str_in_output=True), stop_terminated=True)
+    assert detok.text == tok.decode(out[:-1]) + last
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    eos = tok.eos_token_id
+    out = tok.encode("Hi", add_special_tokens=False) + [eos] + tok.encode(" there", add_special_tokens=False)
+    _, detok, _ = stream(tok, [5], out)
+    assert detok.text == "Hi there"
+    _, detok, _ = stream(tok, [5], out, SamplingParams(skip_special_tokens=False))
+    assert detok.text == "Hi<|eos|> there"
