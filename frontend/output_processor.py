@@ -175,13 +175,13 @@ class RequestState:
 
     def make_output(self, delta: bool = False) -> RequestOutput | None:
         """Cumulative: every completion so far. Delta: only completions with something new (None when
-        nothing is); prompt logprobs arrive in the first yields that have them."""
+        nothing is), and only the prompt logprobs not sent before (None when there are none)."""
         completions = [c.to_output(delta) for c in self.completions.values()]
         outputs = [c for c in completions if c is not None]
         prompt_logprobs = self.prompt_logprobs
         if delta and prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs[self._sent_prompt_logprobs:]
-            self._sent_prompt_logprobs += len(prompt_logprobs)
+            prompt_logprobs = prompt_logprobs[self._sent_prompt_logprobs:] or None
+            self._sent_prompt_logprobs += len(prompt_logprobs or ())
         if delta and not outputs and not prompt_logprobs:
             return None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=self.finished,
