@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, AsyncIterator
 
 from specloop.kernel.config import EngineConfig
-from specloop.kernel.engine_core import AsyncEngineCore, EngineDeadError
+from specloop.kernel.engine_core import AsyncEngineCore, EngineCore, EngineDeadError
 from specloop.kernel.outputs import EngineCoreOutput, EngineCoreOutputs
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.request import FinishReason
@@ -56,7 +56,8 @@ class AsyncEngine:
         return cls(make_config(model, engine_args), plugins, step_in_thread=step_in_thread)
 
     @property
-    def core(self):  # the synchronous EngineCore, for plugins and tests
+    def core(self) -> EngineCore:
+        """The synchronous core (its plugins, scheduler and runner), for the server and tests."""
         return self.engine_core.core
 
     @property

@@ -69,6 +69,8 @@ class CompletionState:
             self.detokenizer.finish()
             self.finish_reason = FinishReason(out.finish_reason).value
             self.stop_reason = out.stop_reason
+            if self.detokenizer.stop_reason is not None:  # matched in the text held back until the end
+                self.finish_reason, self.stop_reason = FinishReason.STOP.value, self.detokenizer.stop_reason
         return False
 
     def to_output(self, delta: bool) -> CompletionOutput | None:

@@ -140,3 +140,22 @@ def test_special_tokens_skipped_or_kept(tok):
     assert detok.text == "Hi there"
     _, detok, _ = stream(tok, [5], out, SamplingParams(skip_special_tokens=False))
     assert detok.text == "Hi<|eos|> there"
+
+
+def test_stop_string_inside_text_held_until_the_end(tok):
+    from specloop.frontend.output_processor import CompletionState
+    from specloop.kernel import EngineCoreOutput, FinishReason, Request
+
+    # A token carrying a space plus the first bytes of an emoji: its text stays held (broken UTF-8).
+    broken = next(t for t in range(5, tok.vocab_size)
+                  if tok.decode([t]).startswith(" ") and tok.decode([t]).endswith(REPLACEMENT))
+    out = tok.encode("Hello", add_special_tokens=False) + [broken]
+    params = SamplingParams(stop=["o "], max_tokens=len(out))
+    detok = IncrementalDetokenizer(tok, [5], params)
+    assert detok.update(out) is None and detok.stop_reason is None
+    detok.finish()
+    assert detok.stop_reason == "o " and detok.text == "Hell"
+    # The request ended by length in the core, but the stop string decides what is reported.
+    state = CompletionState(0, Request("r", [5], params), tok)
+    state.process(EngineCoreOutput("r", out, finish_reason=FinishReason.LENGTH))
+    assert state.finish_reason == "stop" and state.stop_reason == "o " and state.detokenizer.text == "Hell"
