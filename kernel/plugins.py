@@ -19,6 +19,8 @@ DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 # ``@hookimpl`` functions; none is special-cased anywhere else.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
+    "specloop.backends.torch_plugin",
+    "specloop.plugins.models",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
     "specloop.proposers.ngram",

@@ -1,0 +1,21 @@
+"""Built-in model architectures.
+
+Registered by their Hugging Face ``architectures`` names as "module:attr" strings, so listing
+plugins does not import torch; the loader imports a class only when a checkpoint needs it.
+"""
+
+from __future__ import annotations
+
+from specloop.kernel.hookspecs import Register, hookimpl
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "specloop.plugins.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "specloop.plugins.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "specloop.plugins.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+@hookimpl
+def specloop_register_models(register: Register) -> None:
+    for name, factory in ARCHITECTURES.items():
+        register(name, factory)

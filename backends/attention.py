@@ -1,0 +1,132 @@
+"""Paged attention: the interface every attention backend implements, and the torch reference.
+
+The model runner packs one step's scheduled tokens into a ragged batch (``T`` tokens of ``B``
+requests, request ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``) and builds one
+:class:`AttentionMetadata` for it. Each attention layer then calls its backend's :meth:`forward`
+through the :class:`ForwardContext`, which
+
+1. writes the step's new K/V rows into the paged cache at ``slot_mapping`` (slot = block id *
+   block_size + offset), and
+2. attends each query over its request's whole context read back from the cache through the
+   request's block table: query ``j`` of request ``i`` sits at position
+   ``seq_lens[i] - query_len_i + j`` and sees keys ``0 .. that position`` (causal within the new
+   tokens, everything before them).
+
+This is correct for any mix of prefills, chunked prefills, prefix-cache hits (the context was
+written by another request), decodes and speculative verification (several new tokens per request).
+The torch backend is the CPU path and the oracle for faster backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where one forward pass's tokens go and what they see. Set by the model runner's input
+    preparation; read by every attention layer of that forward."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32: request i's tokens are rows qsl[i]:qsl[i+1]
+    seq_lens: torch.Tensor  # [B] int32: context length of request i after this step (cached + new)
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32: request i's physical blocks (0-padded)
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends that loop over requests need no device sync.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """What a backend provides. One instance serves every layer; the KV cache of each layer is a
+    tensor the runner allocates with :meth:`kv_cache_shape` and passes back on every call."""
+
+    name: str
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write ``k``/``v`` ([T, Hkv, D]) into ``kv_cache`` at ``meta.slot_mapping``, then return
+        attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over the cached context, [T, Hq, D]."""
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Everything attention layers need for one forward pass. Built by whoever runs the model (the
+    model runner, or a proposer running a draft model over its own cache)."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # one per layer
+
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, scale)
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain PyTorch, one request at a time.
+
+    Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V).
+    """
+
+    name = "torch"
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        block_size = key_cache.shape[1]
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+            keys = key_cache[blocks].flatten(0, 1)[:seq_len]
+            values = value_cache[blocks].flatten(0, 1)[:seq_len]
+            out[start:end] = _attend(q[start:end], keys, values, seq_len - (end - start), group, scale)
+        return out
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into the paged cache: row ``t`` goes to slot ``slot_mapping[t]``."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, group: int,
+            scale: float) -> torch.Tensor:
+    """One request: ``q`` [n, Hq, D] at positions ``context_len .. context_len + n - 1`` over
+    ``keys``/``values`` [context_len + n, Hkv, D]."""
+    n, total = q.shape[0], keys.shape[0]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    mask = None
+    if n > 1:  # a single query is the newest position and sees everything
+        mask = torch.arange(total, device=q.device)[None, :] <= (
+            context_len + torch.arange(n, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype),
+                                         values.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)

@@ -1,0 +1,155 @@
+"""The Llama decoder (Llama 2 and 3), shared by every architecture that differs from it only by flags
+(Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm).
+
+The model works on packed ragged batches: ``input_ids`` and ``positions`` are [T] and attention
+goes through a :class:`~specloop.backends.attention.ForwardContext`, so the model knows nothing
+about requests, the scheduler or the paged cache layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, ModelLoadError, parse_hf_config
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from specloop.backends.attention import ForwardContext
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attention(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF checkpoint names of the projections that specloop stores fused: (fused, original, shard index).
+_FUSED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+          ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer with pre-norm blocks, GQA, RoPE and a SwiGLU MLP.
+
+    ``forward`` returns the final (post-norm) hidden states of every token plus, on request, the
+    residual stream *entering* chosen layers (``aux_layers``; ``num_layers`` means the stream after
+    the last layer, before the final norm) — EAGLE-3 reads three of them. ``compute_logits`` is
+    applied by the caller only to the rows that need logits.
+    """
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        cfg = self.config = parse_hf_config(hf_config)
+        flags = self.flags(hf_config)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **flags) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def flags(cls, hf: dict[str, Any]) -> dict[str, bool]:
+        """Architecture switches read from ``config.json``; subclasses override."""
+        bias = bool(hf.get("attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": bool(hf.get("mlp_bias", False))}
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
+                aux_layers: Sequence[int] = (), inputs_embeds: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
+            x = layer(x, positions, ctx)
+        if len(self.layers) in aux_layers:
+            aux.append(x)
+        return self.norm(x), aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up on the way. Raises
+        :class:`ModelLoadError` naming any parameter the checkpoint lacks or any unexpected tensor."""
+        if self.config.tie_word_embeddings:  # materialising from the meta device unties them
+            self.lm_head.weight = self.embed_tokens.weight
+        params = dict(self.named_parameters(remove_duplicate=False))
+        filled: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for fused, original, index in _FUSED:
+                if f".{original}." in name:
+                    target, shard = name.replace(original, fused), index
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint for {self.config.architecture}")
+            with torch.no_grad():
+                dest = param if shard is None else self._shard(param, target, shard)
+                if dest.shape != tensor.shape:
+                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+            filled.setdefault(target, set()).add(-1 if shard is None else shard)
+        expected = {n: ({-1} if not any(f".{f}." in n for f, _, _ in _FUSED)
+                        else {i for f, _, i in _FUSED if f".{f}." in n})
+                    for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
+        missing = sorted(n for n, shards in expected.items() if filled.get(n, set()) != shards)
+        if missing:
+            raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensor(s) of "
+                                 f"{self.config.architecture}: {', '.join(missing[:5])}")
+
+    def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in name:
+            cfg = self.config
+            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return param.split(sizes, dim=0)[shard]

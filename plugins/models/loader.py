@@ -1,0 +1,107 @@
+"""Load a local Hugging Face-format model directory into a specloop model.
+
+``config.json`` picks the architecture (by its ``architectures`` entry, among the names registered
+through ``specloop_register_models``); weights come from ``model.safetensors`` or the shards listed
+in ``model.safetensors.index.json``. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, ModelLoadError, read_model_config
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto``: CUDA when available, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (exact comparisons, no slow half-precision CPU kernels), bfloat16 on
+    CUDA; otherwise one of float32/bfloat16/float16 (and their short names)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}") from None
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint files of a model directory: the index's shards, else every ``*.safetensors``."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"{index} lists shard(s) missing from the directory: {', '.join(missing)}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        hint = " (pytorch_model.bin checkpoints are not supported; convert to safetensors)" \
+            if glob.glob(os.path.join(path, "*.bin")) else ""
+        raise ModelLoadError(f"model directory {path!r} has no model.safetensors or "
+                             f"model.safetensors.index.json{hint}")
+    return files
+
+
+def iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(path: str, models: Any, device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto") -> tuple[nn.Module, ModelConfig]:
+    """Build the architecture named in ``path/config.json`` from ``models`` (the plugin manager's
+    model registry) and fill it from the safetensors checkpoint. Returns (model in eval mode, its
+    :class:`ModelConfig`)."""
+    cfg = read_model_config(path)
+    if cfg.architecture not in models:
+        raise ModelLoadError(f"unsupported architecture {cfg.architecture!r} in {path}/config.json; "
+                             f"supported: {', '.join(sorted(models.names())) or 'none'}")
+    files = safetensors_files(path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    # Build on the meta device so no time goes into random initialisation, then materialise.
+    with torch.device("meta"), _default_dtype(dtype):
+        model = models.create(cfg.architecture, hf_config=cfg.hf)
+    model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    model.load_weights(iter_safetensors(files, device))
+    return model.eval().requires_grad_(False), cfg

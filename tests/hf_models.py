@@ -1,0 +1,79 @@
+"""Tiny random Hugging Face checkpoints for tests, built with transformers and saved to temp dirs.
+
+Weights are drawn with a large ``initializer_range`` so logits are peaked: greedy comparisons then
+do not hinge on float rounding. The models are the oracle's (transformers') own classes, so a test
+compares specloop against transformers' implementation of the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VOCAB = 512
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=1, eos_token_id=2,
+)
+
+# name -> (transformers config class, model class, extra config)
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={"rope_type": "default",
+                                                                       "rope_theta": 1000000.0})),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: str
+    hf: Any  # the transformers model, float32, eval mode
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """HF's float32 logits at every position of ``token_ids``: [len, vocab]."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([token_ids])).logits[0].float()
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """HF's own greedy generation (no EOS stop), the token-level oracle."""
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+
+def build(name: str, root: str, seed: int = 0, **save_kwargs: Any) -> TinyModel:
+    import transformers
+
+    config_cls, model_cls, extra = VARIANTS[name]
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        # Biases default to zero; make them matter so a dropped bias fails the comparison.
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    path = os.path.join(root, name)
+    model.save_pretrained(path, **save_kwargs)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 3], "bos_token_id": 1}, f)
+    return TinyModel(name, path, model)
+
+
+def prompts(n: int, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(torch.randint(4, VOCAB, (length,), generator=g).tolist())
+    return out
