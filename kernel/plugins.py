@@ -71,7 +71,8 @@ class Registry:
             return self._entries[name].load()
         except KeyError:
             choices = ", ".join(sorted(self._entries)) or "none"
-            raise UnknownComponentError(f"unknown {self.kind[:-1].replace('_', ' ')} {name!r}; "
+            kind = self.kind.removesuffix("ies") + "y" if self.kind.endswith("ies") else self.kind.removesuffix("s")
+            raise UnknownComponentError(f"unknown {kind.replace('_', ' ')} {name!r}; "
                                         f"registered: {choices}") from None
 
     def create(self, name: str, **kwargs: Any) -> Any:
