@@ -33,8 +33,8 @@ CPU_KV_CACHE_BYTES = 512 << 20  # the CPU default when neither num_kv_blocks nor
 
 
 @dataclass(slots=True)
-class _Step:
-    """What ``execute_model`` leaves for ``sample_tokens``."""
+class ExecutedStep:
+    """What ``execute_model`` leaves for ``sample_tokens`` (``runner.executed`` in between)."""
 
     plan: SchedulerOutput
     batch: InputBatch | None
@@ -76,7 +76,7 @@ class TorchModelRunner:
         self.proposer: Any = None
         self.rejection_sampler: Callable[..., list[list[int]]] | None = None
         self.aux_layers: tuple[int, ...] = ()
-        self._step: _Step | None = None
+        self.executed: ExecutedStep | None = None
         self._drafts: DraftTokenIds | None = None
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
@@ -164,11 +164,11 @@ class TorchModelRunner:
     def execute_model(self, plan: SchedulerOutput) -> None:
         self.update_states(plan)
         if plan.total_num_scheduled_tokens == 0:
-            self._step = _Step(plan, None, None, [])
+            self.executed = ExecutedStep(plan, None, None, [])
             return
         batch = prepare_inputs(plan, self.requests, self.block_size, self.device)
         hidden, aux = self.forward(batch)
-        self._step = _Step(plan, batch, hidden, aux)
+        self.executed = ExecutedStep(plan, batch, hidden, aux)
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Apply the plan's changes to the resident per-request state."""
@@ -212,7 +212,7 @@ class TorchModelRunner:
     # --- sample_tokens ------------------------------------------------------------------------
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        step, self._step = self._step, None
+        step, self.executed = self.executed, None
         if step is None:
             raise RuntimeError("sample_tokens called without execute_model")
         self._drafts = None
@@ -330,7 +330,7 @@ class TorchModelRunner:
 
     # --- proposing ----------------------------------------------------------------------------
 
-    def propose(self, batch: InputBatch, step: _Step, sampled: list[list[int]], num_drafts: list[int],
+    def propose(self, batch: InputBatch, step: ExecutedStep, sampled: list[list[int]], num_drafts: list[int],
                 num_accepted: list[int]) -> DraftTokenIds | None:
         """Hand the requests that sampled this step to the proposer; keep its drafts for
         :meth:`take_draft_token_ids` and their probabilities for the next verification."""
@@ -361,7 +361,7 @@ class TorchModelRunner:
         return DraftTokenIds([inputs.req_ids[k] for k, _ in keep], [list(map(int, d)) for _, d in keep])
 
     @staticmethod
-    def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, step: _Step, sampled: list[list[int]],
+    def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, step: ExecutedStep, sampled: list[list[int]],
                            idx: list[int]) -> None:
         """The hidden-state rows of the requests in ``inputs``, made contiguous when partial
         prefills (which sample nothing) sit between them."""
@@ -389,4 +389,4 @@ class TorchModelRunner:
     def shutdown(self) -> None:
         self.requests.clear()
         self.kv_caches = []
-        self._step = None
+        self.executed = None

@@ -7,8 +7,12 @@ compares specloop against transformers' implementation of the same weights.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +81,31 @@ def prompts(n: int, seed: int = 0, min_len: int = 3, max_len: int = 40) -> list[
         length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
         out.append(torch.randint(4, VOCAB, (length,), generator=g).tolist())
     return out
+
+
+_ROOT: str | None = None
+
+
+@functools.cache
+def tiny(name: str) -> TinyModel:
+    """The variant ``name``, built once per test session."""
+    global _ROOT
+    if _ROOT is None:
+        _ROOT = tempfile.mkdtemp(prefix="specloop-hf-")
+        atexit.register(shutil.rmtree, _ROOT, True)
+    return build(name, _ROOT)
+
+
+def make_runner(model: TinyModel, **config: Any) -> Any:
+    """A torch model runner on ``model`` with an initialised KV cache (block size 4 by default)."""
+    from specloop.kernel.config import EngineConfig
+    from specloop.kernel.plugins import PluginManager
+
+    config.setdefault("block_size", 4)
+    config.setdefault("num_kv_blocks", 64)
+    cfg = EngineConfig(model=model.path, **config)
+    plugins = PluginManager(load_entrypoints=False)
+    runner = plugins.model_runners.create("torch", config=cfg, plugins=plugins)
+    cfg.resolve(runner.model_max_len)
+    runner.initialize()
+    return runner

@@ -1,0 +1,221 @@
+"""The torch model runner against transformers, driven by hand-built plans: every scheduled
+token's logits must equal HF's at that position, for prefills, chunked prefills, prefix-cache hits,
+decodes, preemption/resumption and draft verification, alone and mixed in one batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hf_models import VARIANTS, make_runner, prompts, tiny
+from plans import Plans
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.hookspecs import hookimpl
+from specloop.kernel.outputs import ModelRunnerOutput
+from specloop.kernel.plugins import PluginManager
+from specloop.kernel.sampling_params import SamplingParams
+from specloop.proposers.base import DraftProposal, Proposer, ProposerInputs
+
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
+
+
+def checked_step(plans: Plans, model: Any, counts: dict[str, int], spec: dict[str, list[int]] | None = None,
+                 ) -> ModelRunnerOutput:
+    """Run one plan, comparing the logits of every scheduled token with HF's, then commit."""
+    spec = spec or {}
+    plan = plans.plan(counts, spec)
+    runner = plans.runner
+    runner.execute_model(plan)
+    logits = runner.compute_logits(runner.executed.hidden_states)
+    row = 0
+    for rid, n in counts.items():
+        req = plans.reqs[rid]
+        seq = req.tokens + spec.get(rid, [])
+        start = req.num_computed
+        expected = model.logits(seq[:start + n])[start:]
+        torch.testing.assert_close(logits[row:row + n], expected, atol=ATOL, rtol=0)
+        row += n
+    result = runner.sample_tokens()
+    plans.commit(plan, result)
+    return result
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_prompt_matches_hf(name: str) -> None:
+    model = tiny(name)
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    prompt = prompts(1, seed=1)[0]
+    plans.add("a", prompt, GREEDY)
+    result = checked_step(plans, model, {"a": len(prompt)})
+    for _ in range(5):
+        result = checked_step(plans, model, {"a": 1})
+    assert result.sampled_token_ids == [plans.reqs["a"].tokens[-1:]]
+    assert plans.reqs["a"].tokens[len(prompt):] == model.greedy(prompt, 6)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_mixed_batch_chunks_prefix_hits_and_preemption(name: str) -> None:
+    """One batch mixing a decode, a chunked prefill and a prefix-cache hit; then a request is
+    preempted mid-decode and resumed (recomputed from scratch into other blocks)."""
+    model = tiny(name)
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    pa, pb = prompts(2, seed=2, min_len=17, max_len=23)
+    plans.add("a", pa, GREEDY)
+    checked_step(plans, model, {"a": len(pa)})
+    plans.add("b", pb, GREEDY)
+    # c shares a's first three full blocks (12 tokens) and computes only the rest of its prompt.
+    pc = pa[:12] + prompts(1, seed=3, min_len=5, max_len=5)[0]
+    plans.add("c", pc, GREEDY, share_prefix_of="a", num_cached_blocks=3)
+    out = checked_step(plans, model, {"a": 1, "b": 7, "c": len(pc) - 12})
+    assert out.req_ids == ["a", "b", "c"] and out.sampled_token_ids[1] == []  # b's prefill is partial
+    checked_step(plans, model, {"a": 1, "b": 6, "c": 1})
+    checked_step(plans, model, {"b": len(pb) - 13, "a": 1, "c": 1})
+    plans.preempt("a")
+    checked_step(plans, model, {"b": 1, "c": 1})
+    checked_step(plans, model, {"a": len(plans.reqs["a"].tokens), "b": 1})  # resumed: prompt + outputs
+    checked_step(plans, model, {"a": 1, "b": 1, "c": 1})
+    for rid, prompt in (("a", pa), ("b", pb), ("c", pc)):
+        req = plans.reqs[rid]
+        assert req.tokens[len(prompt):] == model.greedy(prompt, len(req.tokens) - len(prompt))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 13])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_chunked_prefill_at_several_chunk_sizes(name: str, chunk: int) -> None:
+    model = tiny(name)
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    prompt = prompts(1, seed=4, min_len=26, max_len=26)[0]
+    plans.add("a", prompt, GREEDY)
+    done = 0
+    while done < len(prompt):
+        n = min(chunk, len(prompt) - done)
+        out = checked_step(plans, model, {"a": n})
+        done += n
+        assert out.sampled_token_ids == [[]] if done < len(prompt) else len(out.sampled_token_ids[0]) == 1
+    assert plans.reqs["a"].tokens[len(prompt):] == model.greedy(prompt, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_tied"])
+def test_draft_verification(name: str) -> None:
+    """Drafts equal to HF's greedy continuation are all accepted plus a bonus token; a wrong draft
+    is replaced by the target's token and the drafts after it are dropped. Logits at every draft
+    position match HF's over the drafted sequence."""
+    model = tiny(name)
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    prompt = prompts(1, seed=5)[0]
+    truth = model.greedy(prompt, 12)
+    plans.add("a", prompt, GREEDY)
+    checked_step(plans, model, {"a": len(prompt)})
+    out = checked_step(plans, model, {"a": 4}, spec={"a": truth[1:4]})
+    assert out.sampled_token_ids == [truth[1:5]]
+    assert out.num_draft_tokens == [3] and out.num_accepted_tokens == [3]
+    wrong = [truth[5], (truth[6] + 1) % 512, truth[7]]
+    out = checked_step(plans, model, {"a": 4}, spec={"a": wrong})
+    assert out.sampled_token_ids == [truth[5:7]]
+    assert out.num_accepted_tokens == [1]
+    checked_step(plans, model, {"a": 1})  # rejected drafts' KV is overwritten
+    assert plans.reqs["a"].tokens[len(prompt):] == truth[:8]
+
+
+def test_logprobs_and_prompt_logprobs_match_hf_log_softmax() -> None:
+    model = tiny("qwen2")
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    prompt = prompts(1, seed=6, min_len=15, max_len=15)[0]
+    plans.add("a", prompt, SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2))
+    plans.add("b", prompts(1, seed=7)[0], GREEDY)
+    entries: list = []
+    sampled_lp = []
+    out = checked_step(plans, model, {"a": 6, "b": len(plans.reqs["b"].prompt)})
+    entries += out.prompt_logprobs["a"]
+    # only b sampled, and it asked for no logprobs
+    assert "b" not in out.prompt_logprobs and out.logprobs is None and out.sampled_token_ids[0] == []
+    out = checked_step(plans, model, {"a": 9})
+    entries += out.prompt_logprobs["a"]
+    sampled_lp += out.logprobs[0]
+    for _ in range(3):
+        out = checked_step(plans, model, {"a": 1})
+        sampled_lp += out.logprobs[0]
+        assert out.prompt_logprobs == {"a": []}
+    seq = plans.reqs["a"].tokens
+    ref = model.logits(seq).log_softmax(-1)
+    assert entries[0] is None and len(entries) == len(prompt)
+    for i, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[i]
+        assert abs(e.logprob - ref[i - 1, prompt[i]].item()) < ATOL
+        assert e.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+        assert e.top_token_ids == ref[i - 1].topk(2).indices.tolist()
+    for j, e in enumerate(sampled_lp):
+        pos = len(prompt) - 1 + j
+        assert e.token_id == seq[pos + 1] and e.rank == 1  # greedy picks the top token
+        assert abs(e.logprob - ref[pos].max().item()) < ATOL
+        torch.testing.assert_close(torch.tensor(e.top_logprobs), ref[pos].topk(3).values, atol=ATOL, rtol=0)
+    cumulative = sum(e.logprob for e in sampled_lp)
+    expected = sum(ref[len(prompt) - 1 + j, t].item() for j, t in enumerate(seq[len(prompt):]))
+    assert abs(cumulative - expected) < ATOL * len(sampled_lp)
+
+
+class _RecordingProposer(Proposer):
+    """Proposes HF's next tokens from a fixed table and records what it was given."""
+
+    needs_hidden_states = True
+    hidden_state_layers = (0, 2)
+    seen: list[ProposerInputs] = []
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        type(self).seen.append(inputs)
+        return DraftProposal([[7, 8] for _ in inputs.req_ids])
+
+
+class _ProposerPlugin:
+    @hookimpl
+    def specloop_register_proposers(self, register: Any) -> None:
+        register("recording", _RecordingProposer)
+
+
+def test_proposer_seam_gets_hidden_states_and_returns_drafts() -> None:
+    model = tiny("qwen3")
+    plugins = PluginManager([_ProposerPlugin()], load_entrypoints=False)
+    cfg = EngineConfig(model=model.path, block_size=4, num_kv_blocks=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2})
+    cfg.speculative_config.method = "recording"
+    runner = plugins.model_runners.create("torch", config=cfg, plugins=plugins)
+    cfg.resolve(runner.model_max_len)
+    runner.initialize()
+    plans = Plans(runner, 4, 64)
+    pa, pb = prompts(2, seed=8, min_len=9, max_len=9)
+    plans.add("a", pa, GREEDY)
+    plans.add("b", pb, GREEDY)
+    _RecordingProposer.seen.clear()
+    plan, out = plans.run({"a": 9, "b": 4})  # b's prefill is partial: not proposed for
+    inputs = _RecordingProposer.seen[-1]
+    assert inputs.req_ids == ["a"] and inputs.num_sampled.tolist() == [1]
+    assert inputs.token_ids[0].tolist() == pa + out.sampled_token_ids[0]
+    hf = model.hf(torch.tensor([pa]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(inputs.hidden_states, hf[-1][0], atol=ATOL, rtol=0)  # post-norm
+    torch.testing.assert_close(inputs.aux_hidden_states[0], hf[0][0], atol=ATOL, rtol=0)  # embeddings
+    assert inputs.query_start_loc.tolist() == [0, 9] and inputs.sampled_rows.tolist() == [8]
+    assert inputs.positions.tolist() == list(range(9))
+    drafts = runner.take_draft_token_ids()
+    assert drafts.req_ids == ["a"] and drafts.draft_token_ids == [[7, 8]]
+    assert runner.take_draft_token_ids() is None
+
+
+def test_kv_cache_sizing() -> None:
+    model = tiny("llama")
+    per_block = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, block 4, 2 kv heads, head dim 16, float32
+    assert make_runner(model, num_kv_blocks=10).kv_caches[0].shape == (2, 10, 4, 2, 16)
+    runner = make_runner(model, num_kv_blocks=None, kv_cache_memory=per_block * 37 + 5)
+    assert runner.kv_bytes_per_block() == per_block and runner.kv_caches[0].shape[1] == 37
+    # The CPU default is capped at max_num_seqs full-length sequences.
+    runner = make_runner(model, num_kv_blocks=None, max_num_seqs=3, max_model_len=40)
+    assert runner.kv_caches[0].shape[1] == 3 * 10 + 1
+    with pytest.raises(ValueError, match="smaller than one block"):
+        make_runner(model, num_kv_blocks=None, kv_cache_memory=per_block - 1)
