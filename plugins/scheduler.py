@@ -23,8 +23,9 @@ from specloop.kernel.request import Request, RequestStatus
 
 
 class FCFSScheduler:
-    """Implements :class:`specloop.kernel.protocols.Scheduler`; subclasses change the queue policy
-    through ``_enqueue``, ``_requeue_preempted``, ``_pop_waiting`` and ``_select_victim``."""
+    """Implements :class:`specloop.kernel.protocols.Scheduler`. Subclasses change the queue policy
+    by overriding ``enqueue``, ``requeue_preempted``, ``peek_waiting`` (the next request to admit)
+    and ``select_victim`` (the running request to preempt)."""
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
@@ -57,21 +58,19 @@ class FCFSScheduler:
         self._prompt_tokens: dict[int, int] = {}
         self._num_preemptions = 0
 
-    # --- queue policy ---------------------------------------------------------------------------
 
-    def _enqueue(self, request: Request) -> None:
+    def enqueue(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def _requeue_preempted(self, request: Request) -> None:
+    def requeue_preempted(self, request: Request) -> None:
         self.waiting.appendleft(request)  # type: ignore[union-attr]
 
-    def _pop_waiting(self) -> Request:
-        return self.waiting.popleft()  # type: ignore[union-attr]
+    def peek_waiting(self) -> Request:
+        return self.waiting[0]
 
-    def _select_victim(self) -> Request:
+    def select_victim(self) -> Request:
         return self.running[-1]
 
-    # --- requests -------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -84,7 +83,7 @@ class FCFSScheduler:
                              f"max_model_len={self.max_model_len}")
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        self._enqueue(request)
+        self.enqueue(request)
 
     def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> list[Request]:
         if not status.finished:
@@ -111,7 +110,6 @@ class FCFSScheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
-    # --- schedule -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
@@ -131,7 +129,7 @@ class FCFSScheduler:
                 continue
             lookahead = self._lookahead(request, num_new)
             while (blocks := self.kv_cache.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
-                victim = self._select_victim()
+                victim = self.select_victim()
                 index = self.running.index(victim)
                 if victim.request_id in num_scheduled:  # scheduled earlier this step: take it back
                     budget += num_scheduled.pop(victim.request_id)
@@ -154,7 +152,7 @@ class FCFSScheduler:
 
         # Admitting while preempting would only churn: the blocks just freed go to the preempted.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.peek_waiting()
             hit_blocks, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if self.chunked_prefill:
@@ -166,7 +164,7 @@ class FCFSScheduler:
             lookahead = self.num_lookahead_tokens if num_hit + num_new >= request.num_tokens else 0
             if self.kv_cache.allocate_slots(request, num_new, num_hit, hit_blocks, lookahead) is None:
                 break
-            self._pop_waiting()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -254,9 +252,8 @@ class FCFSScheduler:
         request.num_preemptions += 1
         self._num_preemptions += 1
         self.preempted_req_ids.add(request.request_id)
-        self._requeue_preempted(request)
+        self.requeue_preempted(request)
 
-    # --- commit ---------------------------------------------------------------------------------
 
     def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         scheduled = self._in_flight.pop(plan.step_id, {})
@@ -342,7 +339,6 @@ class FCFSScheduler:
             in_prefill = request.num_tokens - request.num_computed_tokens > 1
             request.spec_token_ids = [] if in_prefill else list(token_ids)
 
-    # --- stats ----------------------------------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
         stats = SchedulerStats()
@@ -369,16 +365,13 @@ class PriorityScheduler(FCFSScheduler):
     def _key(request: Request) -> tuple[int, float]:
         return request.priority, request.arrival_time
 
-    def _enqueue(self, request: Request) -> None:
+    def enqueue(self, request: Request) -> None:
         bisect.insort_right(self.waiting, request, key=self._key)  # type: ignore[arg-type]
 
-    def _requeue_preempted(self, request: Request) -> None:
-        self._enqueue(request)
+    def requeue_preempted(self, request: Request) -> None:
+        self.enqueue(request)
 
-    def _pop_waiting(self) -> Request:
-        return self.waiting.pop(0)  # type: ignore[union-attr]
-
-    def _select_victim(self) -> Request:
+    def select_victim(self) -> Request:
         return max(self.running, key=self._key)
 
 

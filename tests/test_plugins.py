@@ -3,7 +3,9 @@ components replaced from outside the package."""
 
 from __future__ import annotations
 
+import re
 import sys
+import types
 from pathlib import Path
 
 import pluggy
@@ -156,3 +158,18 @@ def test_entry_point_plugin_is_discovered_and_can_be_disabled(installed, monkeyp
                                 disable_plugins="outside"))
     monkeypatch.setenv(DISABLE_ENV, "outside")
     assert "serial" not in PluginManager().schedulers
+
+
+def test_readme_plugin_example_works():
+    readme = (TESTS.parent / "README.md").read_text()
+    section = readme.split("## Writing a plugin", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    module = types.ModuleType("my_package_plugin")
+    exec(compile(code, "README.md", "exec"), module.__dict__)
+    pm = PluginManager([module], load_entrypoints=False)
+    core = EngineCore(EngineConfig(model_runner="scripted", max_model_len=64, scheduler="shortest_first",
+                                   max_num_seqs=1), plugins=pm)
+    core.add_requests([Request("long", list(range(1, 30)), SamplingParams(max_tokens=2)),
+                       Request("short", [5, 6], SamplingParams(max_tokens=2))])
+    plan = core.scheduler.schedule()
+    assert list(plan.num_scheduled_tokens) == ["short"]
