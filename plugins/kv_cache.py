@@ -38,7 +38,6 @@ class PagedKVCache:
         self._queries = 0
         self._hits = 0
 
-
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -52,7 +51,6 @@ class PagedKVCache:
                 break
             hit.append(block.block_id)
         return hit, len(hit) * self.block_size
-
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[int] | None = None,
@@ -108,7 +106,6 @@ class PagedKVCache:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-
     @property
     def usage(self) -> float:
         return self.pool.usage
@@ -125,7 +122,6 @@ class PagedKVCache:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
-
 
     def _extra_keys(self, request: Request, block_index: int) -> tuple[object, ...] | None:
         """What besides the tokens changes their KV. The salt only needs to enter the first block:

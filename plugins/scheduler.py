@@ -58,7 +58,6 @@ class FCFSScheduler:
         self._prompt_tokens: dict[int, int] = {}
         self._num_preemptions = 0
 
-
     def enqueue(self, request: Request) -> None:
         self.waiting.append(request)
 
@@ -70,7 +69,6 @@ class FCFSScheduler:
 
     def select_victim(self) -> Request:
         return self.running[-1]
-
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -109,7 +107,6 @@ class FCFSScheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
@@ -254,7 +251,6 @@ class FCFSScheduler:
         self.preempted_req_ids.add(request.request_id)
         self.requeue_preempted(request)
 
-
     def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         scheduled = self._in_flight.pop(plan.step_id, {})
         stats = SchedulerStats(num_prompt_tokens=self._prompt_tokens.pop(plan.step_id, 0))
@@ -338,7 +334,6 @@ class FCFSScheduler:
             # Still inside its prefill: there is no verified last token for drafts to extend.
             in_prefill = request.num_tokens - request.num_computed_tokens > 1
             request.spec_token_ids = [] if in_prefill else list(token_ids)
-
 
     def make_stats(self) -> SchedulerStats:
         stats = SchedulerStats()
