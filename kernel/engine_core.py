@@ -230,7 +230,9 @@ class AsyncEngineCore:
             if payload.request_id in self._queues:  # not aborted while queued
                 self.core.add_requests([payload])
         elif kind == "abort":
-            self.core.abort_requests(payload)
+            if self.core.abort_requests(payload) and not self.core.has_unfinished_requests():
+                # No step follows while idle, so publish the stats now (nothing running, KV freed).
+                self._dispatch(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats()))
 
     async def _process_engine_step(self) -> None:
         if not self.core.has_unfinished_requests():

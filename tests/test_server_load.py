@@ -1,0 +1,167 @@
+"""The server under load: many concurrent streams, clients that go away, and ``specloop serve``
+stopped by a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from server_fixtures import ServerThread, free_port, make_engine, scrape, serve_argv, tiny_model_dir, wait_until
+
+from specloop.kernel.hookspecs import hookimpl
+from specloop.kernel.plugins import PluginManager
+from specloop.server.app import build_app
+
+MODEL = "tiny"
+C = "/v1/completions"
+
+
+class Pace:
+    """Makes every step take at least ``seconds`` (a slower model), so that long requests are still
+    running when the test looks at them."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    @hookimpl
+    def specloop_step_finished(self, timings: dict[str, float]) -> None:
+        time.sleep(max(0.0, self.seconds - timings["total"]))
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    engine = make_engine(tiny_model_dir(), plugins=PluginManager([Pace(0.01)]))
+    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
+        yield srv
+
+
+async def read_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+def idle(url: str) -> bool:
+    m = scrape(url)
+    return (m["specloop:num_requests_running"] == 0 and m["specloop:num_requests_waiting"] == 0
+            and m["specloop:kv_cache_usage_perc"] == 0)
+
+
+async def test_64_concurrent_streams_have_exact_counts(server: ServerThread) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        max_tokens = 4 + i % 13
+        body = {"model": MODEL, "prompt": [7 + i % 50, 11, 13 + i % 7], "max_tokens": max_tokens, "stream": True,
+                "logprobs": 0, "ignore_eos": True, "temperature": 0.8, "seed": i,
+                "stream_options": {"include_usage": True}}
+        async with client.stream("POST", C, json=body) as r:
+            assert r.status_code == 200
+            events = await read_events(r)
+        assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+        assert tokens == usage["completion_tokens"] == max_tokens
+        assert usage["prompt_tokens"] == 3
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and
+                c["choices"][0]["finish_reason"]] == ["length"]
+
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as client:
+        await asyncio.gather(*(one(client, i) for i in range(64)))
+    assert wait_until(lambda: idle(server.url), timeout=2)
+
+
+async def test_dropped_streams_are_aborted_and_free_their_blocks(server: ServerThread) -> None:
+    n = 16
+    aborts_before = scrape(server.url).get("specloop:request_success_total{finished_reason=abort}", 0)
+    holding = asyncio.Event()
+    got_chunks = 0
+
+    async def drop_after_a_few(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal got_chunks
+        body = {"prompt": [5 + i, 9, 14], "stream": True, "ignore_eos": True, "temperature": 0.0}
+        async with client.stream("POST", C, json=body) as r:
+            # Read three events, then stop reading but keep the connection open (breaking out of
+            # aiter_lines would close it at once).
+            lines = r.aiter_lines()
+            events: list[str] = []
+            while len(events) < 3:
+                line = await anext(lines)
+                if line.startswith("data: "):
+                    events.append(line)
+            assert "data: [DONE]" not in events
+            got_chunks += 1
+            await holding.wait()
+        # Leaving the block closes the connection mid-stream.
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                 limits=httpx.Limits(max_connections=100)) as client:
+        tasks = [asyncio.create_task(drop_after_a_few(client, i)) for i in range(n)]
+        assert await asyncio.to_thread(wait_until, lambda: got_chunks == n, 30)
+        busy = scrape(server.url)
+        assert busy["specloop:num_requests_running"] + busy["specloop:num_requests_waiting"] == n
+        assert busy["specloop:kv_cache_usage_perc"] > 0
+        holding.set()
+        await asyncio.gather(*tasks)
+
+    assert await asyncio.to_thread(wait_until, lambda: idle(server.url), 2.0)
+    after = scrape(server.url)
+    assert after["specloop:request_success_total{finished_reason=abort}"] - aborts_before == n
+    r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server: ServerThread) -> None:
+    aborts_before = scrape(server.url).get("specloop:request_success_total{finished_reason=abort}", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + C, json={"prompt": [3, 4, 5], "ignore_eos": True, "temperature": 0.0}, timeout=0.3)
+    assert wait_until(lambda: idle(server.url), timeout=2)
+    after = scrape(server.url)
+    assert after["specloop:request_success_total{finished_reason=abort}"] - aborts_before == 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_exits_cleanly_on_signal(sig: int) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "specloop", *serve_argv(tiny_model_dir(), port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(healthy, timeout=60, interval=0.1), proc.stdout.read().decode() if proc.poll() else ""
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": [3, 4, 5], "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + C, json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 0
+        reader.join(10)
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])["choices"][0]
+        assert last["finish_reason"] == "abort"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
