@@ -336,8 +336,12 @@ class CompletionLogprobs:
             text = self.token_text(tid, entry) if entry is not None else self.token_text(tid, Logprob(0.0))
             out["tokens"].append(text)
             out["token_logprobs"].append(entry.logprob if entry is not None else None)
-            out["top_logprobs"].append({self.token_text(t, lp): lp.logprob for t, lp in _ranked(entries)}
-                                       if entries else None)
+            top: dict[str, float] | None = None
+            if entries:
+                top = {}
+                for t, lp in _ranked(entries):  # tokens that decode alike share a key: keep the likeliest
+                    top.setdefault(self.token_text(t, lp), lp.logprob)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out

@@ -58,21 +58,15 @@ def tiny_model_dir() -> str:
 def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:
     kwargs: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 512, "block_size": 16,
                               "device": "cpu", "dtype": "float32"}
-    if "torch" not in PluginManager().model_runners:  # TEMPORARY until the torch runner lands
-        kwargs.update(model_runner="scripted", tokenizer=model_dir,
-                      plugin_options={"scripted": {"vocab_size": VOCAB_SIZE, "model_max_len": 1024}})
-        model_dir = None  # type: ignore[assignment]
     kwargs.update(overrides)
     return EngineConfig(model=model_dir, **kwargs)
 
 
 def serve_argv(model_dir: str, port: int) -> list[str]:
     """``specloop serve`` on the tiny model (what a user would type)."""
-    argv = ["serve", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu",
+    argv = ["serve", model_dir, "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu",
             "--log-level", "warning"]
-    if "torch" not in PluginManager().model_runners:  # TEMPORARY until the torch runner lands
-        return argv + ["--model-runner", "scripted", "--tokenizer", model_dir]
-    return [argv[0], model_dir, *argv[1:]]
+    return argv
 
 
 def free_port() -> int:
