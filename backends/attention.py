@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -123,10 +122,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_l
     if group > 1:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-    mask = None
+    scores = (q.transpose(0, 1) @ keys.transpose(0, 1).transpose(1, 2).to(q.dtype)).float() * scale
     if n > 1:  # a single query is the newest position and sees everything
-        mask = torch.arange(total, device=q.device)[None, :] <= (
+        visible = torch.arange(total, device=q.device)[None, :] <= (
             context_len + torch.arange(n, device=q.device))[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype),
-                                         values.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    out = scores.softmax(dim=-1).to(q.dtype) @ values.transpose(0, 1).to(q.dtype)
     return out.transpose(0, 1)

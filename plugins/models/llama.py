@@ -117,8 +117,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters(remove_duplicate=False))
         filled: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -130,11 +130,11 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ModelLoadError(f"unexpected tensor {name!r} in the checkpoint for {self.config.architecture}")
+                raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint for {self.config.architecture}")
             with torch.no_grad():
                 dest = param if shard is None else self._shard(param, target, shard)
                 if dest.shape != tensor.shape:
-                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                                          f"expected {tuple(dest.shape)}")
                 dest.copy_(tensor)
             filled.setdefault(target, set()).add(-1 if shard is None else shard)
