@@ -11,9 +11,10 @@ Text is released only when it is stable:
   back, since the next token may complete it. On a match the text is cut before the stop string (or
   after it with ``include_stop_str_in_output``) and the completion ends.
 
-The concatenation of everything released equals ``decode(prompt + output)`` minus the stable part
-of the prompt's decode (a character split across the prompt/output boundary belongs to the output),
-cut at the stop string if one matched.
+The concatenation of everything released is ``decode(prompt + output)`` minus the prompt's text,
+cut at the stop string if one matched. A character split across the prompt/output boundary belongs
+to the output when the output completes it; a broken prompt tail the output never completes stays
+the prompt's.
 """
 
 from __future__ import annotations
@@ -45,13 +46,18 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(0, len(self._ids))
-        # A prompt ending mid-character: its partial bytes become the start of the output text.
+        prompt_text = self._prefix_text = self._decode(0, len(self._ids))
+        # A prompt ending mid-character: decode its last tokens again together with the output, so
+        # an output token that completes the character yields it whole.
         steps = 0
         while self._read_offset > 0 and self._prefix_text.endswith(_REPLACEMENT) and steps < _MAX_SPLIT_TOKENS:
             self._read_offset -= 1
             self._prefix_text = self._decode(0, self._read_offset)
             steps += 1
+        # The text those tokens decode to on their own; what the output leaves unchanged of it (a
+        # space before the split character, or a broken tail the output never completes) is the
+        # prompt's and is cut from the first release.
+        self._prompt_tail = prompt_text[len(self._prefix_text):] if steps else ""
         self.output_text = ""  # everything decoded so far (cut at the stop string once matched)
         self._released = 0  # chars of output_text handed out
         self._taken = 0  # chars of output_text returned by take_delta
@@ -79,6 +85,9 @@ class IncrementalDetokenizer:
             if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
                 continue
             delta = text[len(self._prefix_text):]
+            if self._prompt_tail:
+                delta = delta[_common_prefix_len(delta, self._prompt_tail):]
+                self._prompt_tail = ""
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
             old_len = len(self.output_text)
@@ -118,7 +127,11 @@ class IncrementalDetokenizer:
         """No more tokens will come: release whatever was held back, broken characters included."""
         if self.stop_reason is None:
             old_len = len(self.output_text)
-            self.output_text += self._decode(self._prefix_offset)[len(self._prefix_text):]
+            rest = self._decode(self._prefix_offset)[len(self._prefix_text):]
+            if self._prompt_tail:
+                rest = rest[_common_prefix_len(rest, self._prompt_tail):]
+                self._prompt_tail = ""
+            self.output_text += rest
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = ""
             if self.stop and self.num_tokens > self.min_tokens:
@@ -135,6 +148,14 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._taken:self._released]
         self._taken = self._released
         return delta
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class NullDetokenizer:

@@ -57,6 +57,17 @@ def test_random_tokens_concatenate_to_full_decode(tok):
         out = [rng.randrange(5, tok.vocab_size) for _ in range(rng.randrange(1, 30))]
         deltas, detok, _ = stream(tok, prompt, out, step=rng.choice([1, 2, 4]))
         assert "".join(deltas) == tok.decode(out) == detok.text
+    # Random prompts too, which often end mid-character: the output is the full decode minus the
+    # prompt's own text.
+    for _ in range(200):
+        prompt = [rng.randrange(0, tok.vocab_size) for _ in range(rng.randrange(1, 10))]
+        out = [rng.randrange(0, tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+        joined = "".join(stream(tok, prompt, out, step=rng.choice([1, 3]))[0])
+        full = tok.decode(prompt + out)
+        rest = full[:len(full) - len(joined)]
+        assert full.endswith(joined) and tok.decode(prompt).startswith(rest)
+        # At most the prompt's broken tail goes to the output (completed there).
+        assert rest.rstrip(REPLACEMENT) == tok.decode(prompt).rstrip(REPLACEMENT)
 
 
 def test_prompt_ending_mid_character(tok):
@@ -72,6 +83,11 @@ def test_prompt_ending_mid_character(tok):
         assert full.endswith(joined) and REPLACEMENT not in joined
         assert tok.decode(prompt).startswith(full[:len(full) - len(joined)])
         assert REPLACEMENT not in full[:len(full) - len(joined)]
+        # An output that does not complete the character: the broken tail stays the prompt's.
+        out = tok.encode(" Hello 你好", add_special_tokens=False)
+        deltas, _, _ = stream(tok, prompt, out)
+        assert "".join(deltas) == " Hello 你好"
+        assert tok.decode(prompt) + "".join(deltas) == tok.decode(prompt + out)
 
 
 def test_stop_string_spanning_tokens(tok):
