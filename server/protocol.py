@@ -191,6 +191,7 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     user: str | None
+    priority: int = 0  # lower is served first, with the priority scheduler
 
 
 @dataclass(slots=True)
@@ -206,6 +207,7 @@ class ChatRequest:
     logprobs: int | None  # top_logprobs when logprobs is true, else None
     add_generation_prompt: bool
     user: str | None
+    priority: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -243,7 +245,7 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
     return CompletionRequest(model=f.str("model"), prompts=_prompts(body.get("prompt")), sampling=sampling,
                              max_tokens=max_tokens, stream=stream, include_usage=include_usage, echo=echo,
-                             logprobs=logprobs, user=f.str("user"))
+                             logprobs=logprobs, user=f.str("user"), priority=f.int("priority", 0))
 
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -295,7 +297,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(model=f.str("model"), messages=[_message(i, m) for i, m in enumerate(messages)],
                        sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
                        logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
-                       user=f.str("user"), chat_template_kwargs=f.object("chat_template_kwargs") or {})
+                       user=f.str("user"), priority=f.int("priority", 0),
+                       chat_template_kwargs=f.object("chat_template_kwargs") or {})
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         inputs.append(PromptInput(ids, text, params))
     request_id = protocol.new_id("cmpl")
     ctx = CompletionContext(request_id, protocol.now(), model, req.echo, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, inputs)
+    gen = Generation(state, request_id, inputs, req.priority)
     if req.stream:
         return EventStream(stream_completion(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_completion(state, gen, ctx))
@@ -100,7 +100,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                    logprobs=req.logprobs)
     request_id = protocol.new_id("chatcmpl")
     ctx = ChatContext(request_id, protocol.now(), model, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, [PromptInput(ids, None, params)])
+    gen = Generation(state, request_id, [PromptInput(ids, None, params)], req.priority)
     if req.stream:
         return EventStream(stream_chat(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_chat(state, gen, ctx))
@@ -141,7 +141,8 @@ async def tokenize(state: ServerState, request: Request) -> Response:
         prompt = f.str("prompt")
         if prompt is None:
             raise BadRequest("'prompt' (a string) or 'messages' is required.", param="prompt")
-        ids = state.require_tokenizer("Tokenizing").encode(prompt, add_special_tokens=f.bool("add_special_tokens", True))
+        tokenizer = state.require_tokenizer("Tokenizing")
+        ids = tokenizer.encode(prompt, add_special_tokens=f.bool("add_special_tokens", True))
     return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
 

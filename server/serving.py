@@ -66,20 +66,22 @@ class Generation:
     :class:`EngineFailure`.
     """
 
-    def __init__(self, state: ServerState, request_id: str, inputs: list[PromptInput]) -> None:
+    def __init__(self, state: ServerState, request_id: str, inputs: list[PromptInput], priority: int = 0) -> None:
         self.state = state
+        self.priority = priority
         self.request_id = request_id
         self.inputs = inputs
         now = time.perf_counter()
         self.choices = [[_Choice(now) for _ in range(p.params.n)] for p in inputs]
-        self.prompt_logprobs: list[Any] = [None] * len(inputs)
+        self.prompt_logprobs: list[list[Any]] = [[] for _ in inputs]  # per prompt position, when asked for
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._run(i, p), name=f"{request_id}-{i}") for i, p in enumerate(inputs)]
         state.inflight.add(self)
 
     async def _run(self, i: int, p: PromptInput) -> None:
         try:
-            async for out in self.state.engine.generate(p.token_ids, p.params, f"{self.request_id}-{i}", delta=True):
+            async for out in self.state.engine.generate(p.token_ids, p.params, f"{self.request_id}-{i}",
+                                                        priority=self.priority, delta=True):
                 self._queue.put_nowait((i, out, None))
         except asyncio.CancelledError:
             self._queue.put_nowait((i, None, asyncio.CancelledError()))
@@ -118,8 +120,8 @@ class Generation:
 
     def _record(self, i: int, out: RequestOutput) -> None:
         now = time.perf_counter()
-        if out.prompt_logprobs is not None and self.prompt_logprobs[i] is None:
-            self.prompt_logprobs[i] = out.prompt_logprobs
+        if out.prompt_logprobs:
+            self.prompt_logprobs[i].extend(out.prompt_logprobs)
         for c in out.outputs:
             choice = self.choices[i][c.index]
             if c.token_ids and choice.first_token_time is None:
@@ -172,7 +174,7 @@ class CompletionContext:
 def _echo_logprobs(state: ServerState, gen: Generation, i: int, builder: protocol.CompletionLogprobs) -> dict:
     prompt = gen.inputs[i]
     entries = gen.prompt_logprobs[i] or [None] * len(prompt.token_ids)
-    return builder.build(prompt.token_ids, list(entries))
+    return builder.build(prompt.token_ids, entries)
 
 
 async def collect_completion(state: ServerState, gen: Generation, ctx: CompletionContext) -> dict[str, Any]:
@@ -209,16 +211,18 @@ async def stream_completion(state: ServerState, gen: Generation, ctx: Completion
                                                       with_usage_field=ctx.include_usage))
 
     builders: dict[tuple[int, int], protocol.CompletionLogprobs] = {}
-    if ctx.echo:
-        for i, prompt in enumerate(gen.inputs):
-            for k in range(prompt.params.n):
-                builder = builders[(i, k)] = protocol.CompletionLogprobs(state.token_text)
-                logprobs = _echo_logprobs(state, gen, i, builder) if ctx.logprobs is not None else None
-                yield chunk([{"index": i * prompt.params.n + k, "text": prompt.text or "", "logprobs": logprobs,
-                              "finish_reason": None, "stop_reason": None}])
+    echoed: set[int] = set()
     try:
         async for i, out in gen:
             n = gen.inputs[i].params.n
+            if ctx.echo and i not in echoed and any(c.token_ids or c.finish_reason for c in out.outputs):
+                # By the first token every prompt logprob has arrived.
+                echoed.add(i)
+                for k in range(n):
+                    builder = builders[(i, k)] = protocol.CompletionLogprobs(state.token_text)
+                    logprobs = _echo_logprobs(state, gen, i, builder) if ctx.logprobs is not None else None
+                    yield chunk([{"index": i * n + k, "text": gen.inputs[i].text or "", "logprobs": logprobs,
+                                  "finish_reason": None, "stop_reason": None}])
             for c in out.outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue

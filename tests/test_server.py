@@ -188,6 +188,21 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "Hello" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(server: ServerThread, client: openai.OpenAI) -> None:
+    prompt_len = len(tokenize(server, prompt="Hello world"))
+    out = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True, logprobs=1,
+                                    extra_body=NO_EOS, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == prompt_len + 3
+    assert lp.token_logprobs[0] is None and all(v <= 0.0 for v in lp.token_logprobs[1:])
+    stream = list(client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3, echo=True, logprobs=1,
+                                            stream=True, extra_body=NO_EOS, **GREEDY))
+    first = stream[0].choices[0]
+    assert first.text == "Hello world" and first.logprobs.token_logprobs == lp.token_logprobs[:prompt_len]
+    streamed = [v for c in stream for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
 def test_max_tokens_defaults_to_what_fits(server: ServerThread, client: openai.OpenAI) -> None:
     ids = tokenize(server, prompt="Hello world")
     room = 16
