@@ -10,29 +10,41 @@ from __future__ import annotations
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1
-_M32 = 0xFFFFFFFF
+
+
+def _u32(c: int) -> int:
+    # A uint32 constant as the int32 with the same bits (int32 products wrap like uint32 ones).
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    # Logical right shift of int32 lanes (torch's >> is arithmetic).
+    return (x >> n) & ((1 << (32 - n)) - 1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # Wellons' "lowbias32" on uint32 values held in int64 (products wrap; the mask keeps 32 bits).
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    # Wellons' "lowbias32" finaliser on uint32 bit patterns held in int32.
+    x = x ^ _shr(x, 16)
+    x = x * _u32(0x7FEB352D)
+    x = x ^ _shr(x, 15)
+    x = x * _u32(0x846CA68B)
+    return x ^ _shr(x, 16)
 
 
 def position_key(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A 32-bit key per (seed, sequence position); the kernel's ``_position_key``."""
-    seed_lo = seeds & _M32
-    seed_hi = (seeds >> 32) & _M32
-    return _mix32((_mix32(_mix32(seed_lo) ^ seed_hi) + (positions & _M32)) & _M32)
+    """A 32-bit key (int32 bits) per (int64 seed, int64 sequence position); the kernel's
+    ``_position_key``."""
+    seed_lo = seeds.to(torch.int32)  # truncation keeps the low 32 bits
+    seed_hi = (seeds >> 32).to(torch.int32)
+    return _mix32(_mix32(_mix32(seed_lo) ^ seed_hi) + positions.to(torch.int32))
 
 
 def hashed_uniform(key: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
-    """Uniform float32 in (0, 1) for (key, index), broadcasting; the kernel's ``_uniform``."""
-    h = _mix32(_mix32((key + torch.as_tensor(index, device=key.device) * 0x9E3779B9) & _M32))
-    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+    """Uniform float32 in (0, 1) for (key, index), broadcasting; the kernel's ``_uniform``: 23
+    random bits centred in their bucket, exact in float32."""
+    index = torch.as_tensor(index, device=key.device).to(torch.int32)
+    h = _mix32(_mix32(key + index * _u32(0x9E3779B9)))
+    return (_shr(h, 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def exponential_race(weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -95,9 +107,10 @@ def rejection_sample_torch(
         e = -torch.log(hashed_uniform(key[:, None], vocab[None, :] + 1))
         score = (p - q).clamp_min(0.0) / e
         best, best_id = score.max(dim=1)
-        # An all-zero residual only arises from rounding when p == q; then p itself is exact.
-        recovered = torch.where(best > 0, best_id, (p / e).argmax(dim=1))
-        token[idx] = recovered
+        # An all-zero residual after a rejection means p == q up to rounding, where the draft is
+        # accepted with probability 1 - O(eps): keep the draft.
+        draft_at_stop = draft_token_ids.to(torch.int64)[final_row[idx]]
+        token[idx] = torch.where(best > 0, best_id, draft_at_stop)
 
     out = torch.where(j[None, :] < stop[:, None], draft, PLACEHOLDER_TOKEN_ID)
     out = torch.cat([out, torch.full((num_reqs, 1), PLACEHOLDER_TOKEN_ID, device=device, dtype=torch.int64)], 1)
