@@ -402,3 +402,19 @@ def test_invalid_requests_and_configs_are_rejected():
         FCFSScheduler(config, PagedKVCache(config, 8))
     with pytest.raises(ValueError, match="resolved config"):
         FCFSScheduler(EngineConfig(), PagedKVCache(config, 8))
+
+
+def test_lookahead_slots_only_for_steps_that_sample():
+    sched = make(block_size=4, budget=6, num_spec=3)
+    sched.add_request(req("whole", 4))
+    sched.add_request(req("chunked", 8, start=50))
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"whole": 4, "chunked": 2}
+    assert len(sched.kv_cache.get_block_ids("whole")) == 2  # 4 tokens + 3 draft slots
+    assert len(sched.kv_cache.get_block_ids("chunked")) == 1  # a partial chunk proposes nothing
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"whole": 1, "chunked": 5}
+    assert len(sched.kv_cache.get_block_ids("chunked")) == 2  # 7 of 8 tokens: no sample yet
+    plan, _ = step(sched)
+    assert plan.num_scheduled_tokens == {"whole": 1, "chunked": 1}
+    assert len(sched.kv_cache.get_block_ids("chunked")) == 3  # 8 tokens + 3 draft slots
