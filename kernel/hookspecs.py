@@ -105,10 +105,12 @@ def specloop_register_proposers(register: Register) -> None:
 def specloop_register_routes(register: Register) -> None:
     """Contribute HTTP routes to ``specloop serve``.
 
-    Fires once when the server app is built.
+    Fires once while the engine's plugin manager is built; the server calls every factory when it
+    builds its app (the built-in endpoints come from ``specloop.server.routes`` this way).
 
     :param register: ``register(name, factory)``; ``factory(state)`` returns a
-        ``starlette.routing.BaseRoute``; ``state`` holds the engine and server settings.
+        ``starlette.routing.BaseRoute``; ``state`` is the app's
+        :class:`specloop.server.app.ServerState` (engine, served names, limits, metrics).
     """
 
 

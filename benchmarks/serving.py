@@ -1,0 +1,249 @@
+"""Serving benchmark (BENCHMARKS.md §3): a bounded async load generator against ``specloop serve``
+on loopback.
+
+Poisson arrivals at each request rate (``inf``: all at once), random token-id prompts of
+``--input-len`` tokens, ``--output-len`` output tokens each (``ignore_eos``), streamed. Reports TTFT,
+TPOT ((latency - TTFT) / (output_len - 1)), ITL (gaps between streamed chunks), end-to-end latency
+(mean, p50, p99), request and token throughput; with ``--offline``, also offline ``LLM.generate``
+throughput on the same prompts in the same run and the serving/offline ratio at rate ``inf``.
+
+    python benchmarks/serving.py --model /path/to/model --rates 1,4,16,inf --num-prompts 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    try:
+        import torch
+
+        if device != "cpu" and torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def vocab_size(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, last, itl, tokens = 0.0, start, [], 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Result(False, error=chunk["error"]["message"])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"]:
+                    continue
+                now = time.perf_counter()
+                if ttft == 0.0:
+                    ttft = now - start
+                else:
+                    itl.append(now - last)
+                last = now
+    except httpx.HTTPError as e:
+        return Result(False, error=repr(e))
+    return Result(True, ttft, time.perf_counter() - start, tokens, itl)
+
+
+async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
+                   max_concurrency: int, seed: int) -> tuple[list[Result], float]:
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+
+    async def bounded(client: httpx.AsyncClient, prompt: list[int]) -> Result:
+        async with limit:
+            return await one_request(client, model, prompt, output_len)
+
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(bounded(client, prompt)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[Result], duration: float, input_len: int) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {"completed": 0, "failed": len(results)}
+    ttft = np.array([r.ttft for r in ok]) * 1000
+    tpot = np.array([(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]) * 1000
+    itl = np.array([x for r in ok for x in r.itl] or [0.0]) * 1000
+    e2e = np.array([r.latency for r in ok]) * 1000
+    out_tokens = sum(r.output_tokens for r in ok)
+    stats: dict[str, float] = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+                               "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+                               "total_token_throughput": (out_tokens + input_len * len(ok)) / duration}
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
+        if len(values):
+            stats[f"mean_{name}"] = float(values.mean())
+            stats[f"p50_{name}"] = float(np.percentile(values, 50))
+            stats[f"p99_{name}"] = float(np.percentile(values, 99))
+    return stats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, engine_args: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "specloop", "serve", model, "--port", str(port), "--served-model-name", "bench",
+           "--log-level", "warning", *engine_args]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"specloop serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("specloop serve did not become healthy")
+
+
+def offline_throughput(model: str, engine_args: list[str], prompts: list[list[int]], output_len: int) -> float:
+    from specloop import LLM, SamplingParams
+    from specloop.cli import build_parser, engine_kwargs
+
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", model, *engine_args]))
+    llm = LLM(model, **kwargs)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="local Hugging Face model directory")
+    ap.add_argument("--url", default=None, help="an already running server (default: start one on loopback)")
+    ap.add_argument("--engine-args", default="", help='flags for specloop serve / LLM, e.g. "--dtype bfloat16"')
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rates", default="1,4,16,inf", help="comma-separated requests/s; inf = all at once")
+    ap.add_argument("--max-concurrency", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offline", action="store_true", help="also measure offline LLM throughput (same prompts)")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    args = ap.parse_args()
+
+    engine_args = shlex.split(args.engine_args)
+    rates = [float(r) for r in args.rates.split(",")]
+    device = engine_args[engine_args.index("--device") + 1] if "--device" in engine_args else "auto"
+    config = {"benchmark": "serving", "git_commit": git_commit(), "device": device_name(device), "model": args.model,
+              "engine_args": args.engine_args, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "rates": args.rates, "max_concurrency": args.max_concurrency,
+              "seed": args.seed, "python": platform.python_version()}
+    print(json.dumps(config, indent=1), flush=True)
+
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size(args.model), args.seed)
+    proc = None
+    url = args.url
+    if url is None:
+        port = free_port()
+        proc = start_server(args.model, port, engine_args)
+        url = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    report: dict[str, Any] = {"config": config, "rates": {}}
+    try:
+        warm = make_prompts(args.warmup, args.input_len, vocab_size(args.model), args.seed + 1)
+        asyncio.run(run_rate(url, model, warm, args.output_len, float("inf"), args.max_concurrency, args.seed))
+        for rate in rates:
+            results, duration = asyncio.run(run_rate(url, model, prompts, args.output_len, rate,
+                                                     args.max_concurrency, args.seed))
+            stats = summarize(results, duration, args.input_len)
+            report["rates"][str(rate)] = stats
+            print(f"\nrate={rate} req/s")
+            for key, value in stats.items():
+                print(f"  {key:<24} {value:.2f}" if isinstance(value, float) else f"  {key:<24} {value}")
+            errors = {r.error for r in results if not r.ok}
+            if errors:
+                print(f"  errors: {sorted(errors)[:3]}")
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    if args.offline:
+        offline = offline_throughput(args.model, engine_args, prompts, args.output_len)
+        report["offline_output_throughput"] = offline
+        print(f"\noffline output throughput  {offline:.2f} tok/s")
+        inf = report["rates"].get("inf", {}).get("output_throughput")
+        if inf:
+            report["serving_inf_over_offline"] = inf / offline
+            print(f"serving (rate inf) / offline  {inf / offline:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
