@@ -22,6 +22,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from specloop.proposers.base import DraftProposal, ProposerInputs
+from specloop.proposers.verify import RejectionSampler
 
 from . import sampler as sampling
 from .attention import ForwardContext
@@ -69,6 +70,7 @@ class TorchModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model_config.vocab_size
         self.model_max_len = self.model_config.max_position_embeddings
+        self.eos_token_ids = self.model_config.eos_token_ids  # generation_config.json's, for the frontend
         self.attn_backend = plugins.attention_backends.create(config.attention_backend or "torch", config=config)
         self.block_size = config.block_size
         self.requests: dict[str, RequestState] = {}
@@ -80,6 +82,9 @@ class TorchModelRunner:
         self._drafts: DraftTokenIds | None = None
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
+        # Per request, prompt-logprob entries already reported; survives preemption so that a
+        # recomputed prefill does not report them twice.
+        self.prompt_logprobs_sent: dict[str, int] = {}
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -88,6 +93,7 @@ class TorchModelRunner:
         if spec is not None:
             self.proposer = self.plugins.proposers.create(spec.method, config=self.config, runner=self)
             self.aux_layers = tuple(self.proposer.hidden_state_layers)
+            self.rejection_sampler = RejectionSampler()
         num_blocks = self.determine_num_kv_blocks()
         mc = self.model_config
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
@@ -172,6 +178,8 @@ class TorchModelRunner:
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Apply the plan's changes to the resident per-request state."""
+        for rid in plan.finished_req_ids:
+            self.prompt_logprobs_sent.pop(rid, None)
         gone = plan.finished_req_ids | plan.preempted_req_ids
         for rid in gone:
             self.requests.pop(rid, None)
@@ -311,7 +319,8 @@ class TorchModelRunner:
     def prompt_logprobs(self, batch: InputBatch, logits: torch.Tensor) -> dict[str, list[TokenLogprobs | None]]:
         """For requests with ``prompt_logprobs``: entries for prompt tokens ``s + 1 .. e`` scored by
         positions ``s .. e - 1`` computed this step, with a leading ``None`` (token 0 has no
-        logprob) when the step starts at position 0."""
+        logprob) when the step starts at position 0. Concatenated over steps they cover the prompt
+        once, in order, even when a preempted request recomputes its prefill."""
         out: dict[str, list[TokenLogprobs | None]] = {}
         for i, rid in enumerate(batch.req_ids):
             state = self.requests[rid]
@@ -325,7 +334,11 @@ class TorchModelRunner:
                 targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + count], dtype=torch.int64,
                                        device=logits.device)
                 entries.extend(sampling.compute_logprobs(logits[first:first + count], targets, [k] * count))
-            out[rid] = entries
+            # entries[j] is prompt token first_token + j
+            first_token = 0 if start == 0 else start + 1
+            sent = self.prompt_logprobs_sent.get(rid, 0)
+            self.prompt_logprobs_sent[rid] = max(sent, first_token + len(entries))
+            out[rid] = entries[max(0, sent - first_token):]
         return out
 
     # --- proposing ----------------------------------------------------------------------------

@@ -77,7 +77,7 @@ class TokenLogprobs:
 
     token_id: int
     logprob: float
-    rank: int  # 1-based rank of token_id under the processed distribution
+    rank: int  # 1-based rank of token_id under the distribution the logprobs come from
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
 

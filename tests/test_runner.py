@@ -219,3 +219,24 @@ def test_kv_cache_sizing() -> None:
     assert runner.kv_caches[0].shape[1] == 3 * 10 + 1
     with pytest.raises(ValueError, match="smaller than one block"):
         make_runner(model, num_kv_blocks=None, kv_cache_memory=per_block - 1)
+
+
+def test_prompt_logprobs_are_reported_once_across_preemption() -> None:
+    model = tiny("llama")
+    runner = make_runner(model)
+    plans = Plans(runner, 4, 64)
+    prompt = prompts(1, seed=9, min_len=14, max_len=14)[0]
+    plans.add("a", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))
+    entries = list(plans.run({"a": 5})[1].prompt_logprobs["a"])
+    entries += plans.run({"a": 4})[1].prompt_logprobs["a"]
+    plans.preempt("a")
+    _, out = plans.run({"a": 14})  # recomputed from scratch: only tokens 10..13 are new
+    assert [e.token_id for e in out.prompt_logprobs["a"]] == prompt[10:]
+    entries += out.prompt_logprobs["a"]
+    ref = model.logits(prompt).log_softmax(-1)
+    assert entries[0] is None and [e.token_id for e in entries[1:]] == prompt[1:]
+    for i, e in enumerate(entries[1:], start=1):
+        assert abs(e.logprob - ref[i - 1, prompt[i]].item()) < ATOL and e.top_token_ids == []
+    plans.finish("a")
+    plans.add("a", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))  # the id is reused
+    assert len(plans.run({"a": 14})[1].prompt_logprobs["a"]) == 14
