@@ -1,0 +1,251 @@
+"""Paged attention over a ragged batch: one launch for prefill, chunked prefill, prefix hits, decode
+and draft verification alike.
+
+Every sequence ``s`` brings ``q_len = qsl[s+1] - qsl[s]`` new query tokens whose keys and values
+are already written into the paged cache (see :mod:`.kv_write`); its context is ``seq_lens[s]``
+tokens, the new ones last. New token ``i`` therefore sits at position ``seq_lens[s] - q_len + i``
+and attends to keys ``0..position`` (causal within the new tokens, full over the cached prefix).
+
+The grid is ``(q_blocks, kv_heads, splits)``. A program owns ``BLOCK_Q`` query tokens of one
+sequence times all ``G = Hq / Hkv`` query heads that share one KV head (GQA), so each KV tile is read
+once for the whole group. Sequence ``s`` owns q-blocks starting at ``qsl[s] // BLOCK_Q + s``; this
+over-counts by at most one block per sequence, which lets the grid be sized from host-known totals
+(``num_tokens // BLOCK_Q + num_seqs``) and stay fixed under CUDA graphs; spare programs exit.
+With ``splits > 1`` (flash-decoding) each program covers one slice of the KV range and writes a
+partial result that :func:`_reduce_splits_kernel` merges; this keeps the chip busy when few
+sequences decode over long contexts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
+    # The largest s with qsl[s] // BLOCK_Q + s <= pid_q (binary search over a monotone sequence).
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= pid_q:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr,
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    scale, num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+
+    seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys before the first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # index among this sequence's new tokens
+    head_in_group = rows % GROUP_PAD
+    q_head = kv_head * GROUP + head_in_group
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    q_pos = context_len + q_idx
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q_offs = (q_start + q_idx)[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+
+    # Keys this q-block can see: up to the last new token in it.
+    last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_len = context_len + last_q + 1
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    bt_row = block_table_ptr + seq * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        key = tile * BLOCK_N + cols
+        key_ok = key < kv_len
+        page = tl.load(bt_row + key // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)  # caches pass 2^31 elements
+        in_page = key % PAGE_SIZE
+        k_offs = page[None, :] * stride_kb + in_page[None, :] * stride_ks + kv_head * stride_kh + dims[:, None]
+        k = tl.load(k_cache_ptr + k_offs, mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        visible = key_ok[None, :] & (key[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows that have seen no visible key yet keep m = -inf; shift them by 0 to avoid NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_offs = page[:, None] * stride_vb + in_page[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
+        v = tl.load(v_cache_ptr + v_offs, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    token = q_start + q_idx
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = token[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        # Partial results, laid out [token, q_head, split, ...] contiguous.
+        part = (token * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr,
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_ml_ptr + part * 2)
+    l = tl.load(part_ml_ptr + part * 2 + 1)
+    # Splits past the end of a short context saw no key: l = 0, m = -inf; they weigh nothing.
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(l > 0.0, tl.math.exp2(m - m_max), 0.0)
+    denom = tl.sum(l * w, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      block_n: int = 64) -> int:
+    """Flash-decoding splits: enough programs to fill the chip when few sequences decode, never
+    slices shorter than a few tiles."""
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= num_sms or max_seq_len <= 4 * block_n:
+        return 1
+    want = min(triton.cdiv(2 * num_sms, programs), max_seq_len // (2 * block_n))
+    return max(1, min(32, 1 << int(math.log2(max(want, 1)))))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for a packed ragged batch.
+
+    :param q: ``[num_tokens, num_q_heads, head_dim]``, the new tokens of all sequences, packed.
+    :param k_cache: ``[num_blocks, page_size, num_kv_heads, head_dim]`` (any strides with a unit
+        last stride); ``v_cache`` likewise. The new tokens' keys and values must be written already.
+    :param query_start_loc: int32 ``[num_seqs + 1]``, prefix sums of the new-token counts.
+    :param seq_lens: int32 ``[num_seqs]``, context length including the new tokens.
+    :param block_table: int32 ``[num_seqs, max_blocks]``, physical block of each page.
+    :param max_query_len: the largest new-token count (host-side; picks the tile shape). Under CUDA
+        graphs pass the captured bound, not the live value.
+    :param num_splits: KV splits per q-block (a power of two); 1 writes the output directly.
+    :returns: ``out``, ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, page_size, num_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
+                         f"head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a unit stride on head_dim")
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    # tl.dot wants at least 16 rows; prefill-heavy batches get taller tiles for reuse of each K/V tile.
+    # float32 (for exactness tests) spills registers at 128 rows, so it stops at 64.
+    rows = 128 if max_query_len * group_pad >= 128 and q.dtype != torch.float32 else (
+        64 if max_query_len * group_pad >= 64 else 16)
+    block_q = max(1, rows // group_pad)
+    block_n = 64
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml,
+        query_start_loc, seq_lens, block_table,
+        scale, num_seqs,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
+        BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if rows >= 128 else 4, num_stages=2,
+    )
+    if num_splits > 1:
+        # Every (token, head, split) slot of a real token is written, with l = 0 for empty splits;
+        # tokens past query_start_loc[-1] (CUDA-graph padding) get undefined rows nobody reads.
+        _reduce_splits_kernel[(num_tokens, num_q_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+        )
+    return out

@@ -1,0 +1,307 @@
+"""Each Triton kernel against a short PyTorch reference, as plain functions of (device, dtype).
+
+Shared by ``test_triton_kernels.py`` (CPU, run in a subprocess under ``TRITON_INTERPRET=1``) and
+``test_gpu_backend.py`` (CUDA). Inputs are fresh random values on every call; outputs are poisoned
+first so an unwritten element fails the comparison. Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specloop.kernels.activation import silu_and_mul
+from specloop.kernels.kv_write import kv_write
+from specloop.kernels.paged_attention import paged_attention
+from specloop.kernels.rms_norm import rms_norm
+from specloop.kernels.rotary import rotary_embedding
+from specloop.kernels.sampling import gumbel_sample
+
+# ||out - ref|| / ||ref|| bounds by dtype (METHOD: fp32 far under 1e-3, 16-bit operands 1e-3..1e-2).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qsl: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per sequence: gather the context through the block table, causal over the new tokens, float64."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(seq_lens.shape[0]):
+        a, b, n = int(qsl[s]), int(qsl[s + 1]), int(seq_lens[s])
+        keys = torch.arange(n)
+        slots = block_table[s].cpu().long()[keys // page_size] * page_size + keys % page_size
+        k = flat_k[slots].repeat_interleave(group, 1)
+        v = flat_v[slots].repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double().cpu(), k) * scale
+        pos = n - (b - a) + torch.arange(b - a)
+        scores = scores.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def _ragged_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, device: str, dtype: torch.dtype, spare_blocks: int = 3):
+    seq_lens = torch.tensor([q + c for q, c in zip(q_lens, ctx_lens)], dtype=torch.int32)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    max_blocks = max(1, -(-int(seq_lens.max()) // page_size))
+    num_blocks = len(q_lens) * max_blocks + spare_blocks
+    # Scattered physical blocks, so a wrong block-table lookup reads someone else's keys.
+    block_table = torch.randperm(num_blocks)[: len(q_lens) * max_blocks].reshape(len(q_lens), max_blocks)
+    k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype)
+    q = torch.randn(int(qsl[-1]), num_q_heads, head_dim, dtype=dtype)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (to(q), to(k_cache), to(v_cache), to(qsl), to(seq_lens), to(block_table.int()))
+
+
+# (q heads, kv heads, head_dim, page_size, new tokens per sequence, cached tokens per sequence, splits)
+ATTENTION_CASES = [
+    (4, 2, 32, 16, [1, 5, 1, 20], [40, 0, 70, 3], 1),  # decode + prefill + chunk after a prefix
+    (4, 2, 32, 16, [1, 1, 1], [100, 7, 300], 4),  # flash-decoding, one split beyond a short context
+    (6, 2, 24, 8, [3, 1, 17], [10, 0, 33], 2),  # group of 3 (padded to 4), head_dim not a power of 2
+    (2, 2, 16, 16, [70], [0], 1),  # one long prefill, several q-blocks
+    (8, 1, 16, 4, [4, 4], [9, 0], 1),  # draft verification shape: 4 new tokens after a context
+]
+
+
+def check_paged_attention(device: str, dtype: torch.dtype, cases: list | None = None) -> None:
+    for nq, nkv, d, ps, q_lens, ctx, splits in cases or ATTENTION_CASES:
+        q, kc, vc, qsl, seq_lens, bt = _ragged_batch(q_lens, ctx, nq, nkv, d, ps, device, dtype)
+        out = torch.full_like(q, float("nan"))
+        paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=max(q_lens),
+                        num_splits=splits, out=out)
+        ref = reference_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5)
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"attention case {nq, nkv, d, ps, q_lens, ctx, splits}: rel err {err:.2e}"
+
+
+def check_kv_write(device: str, dtype: torch.dtype) -> None:
+    num_blocks, page_size, heads, dim = 6, 4, 3, 16
+    k = torch.randn(7, heads, dim, dtype=dtype, device=device)
+    v = torch.randn(7, heads, dim, dtype=dtype, device=device)
+    k_cache = torch.randn(num_blocks, page_size, heads, dim, dtype=dtype, device=device)
+    v_cache = torch.randn(num_blocks, page_size, heads, dim, dtype=dtype, device=device)
+    slots = torch.tensor([5, 0, 23, 9, -1, 14, 2], device=device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_k.view(-1, heads, dim)[s] = k[t]
+            want_v.view(-1, heads, dim)[s] = v[t]
+    kv_write(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), "kv_write wrote the wrong slots"
+
+
+def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm.forward."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def check_rms_norm(device: str, dtype: torch.dtype) -> None:
+    for rows, n in ((5, 64), (3, 48), (4, 1024)):
+        x = torch.randn(rows, n, dtype=dtype, device=device)
+        res = torch.randn(rows, n, dtype=dtype, device=device)
+        w = torch.randn(n, dtype=dtype, device=device)
+        out = torch.full_like(x, float("nan"))
+        rms_norm(x, w, 1e-6, out=out)
+        err = rel_err(out, reference_rms_norm(x, w, 1e-6))
+        assert err < TOL[dtype], f"rms_norm {rows}x{n}: rel err {err:.2e}"
+        want_res = x + res
+        res2 = res.clone()
+        out = rms_norm(x, w, 1e-6, residual=res2)
+        assert torch.equal(res2, want_res), "fused residual add differs from x + residual"
+        err = rel_err(out, reference_rms_norm(want_res, w, 1e-6))
+        assert err < TOL[dtype], f"fused rms_norm {rows}x{n}: rel err {err:.2e}"
+
+
+def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def reference_rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's apply_rotary_pos_emb on [tokens, heads, dim] with its dtype roundings."""
+    c = torch.cat([cos, cos], -1)[positions].to(x.dtype)[:, None, :]
+    s = torch.cat([sin, sin], -1)[positions].to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * c + rotated * s
+
+
+def check_rotary(device: str, dtype: torch.dtype) -> None:
+    tokens, nq, nkv, d = 6, 4, 2, 32
+    cos, sin = rope_tables(64, d, 10000.0)
+    qkv = torch.randn(tokens, (nq + 2 * nkv) * d, dtype=dtype, device=device)
+    q = qkv[:, : nq * d].view(tokens, nq, d)
+    k = qkv[:, nq * d: (nq + nkv) * d].view(tokens, nkv, d)
+    positions = torch.tensor([0, 1, 7, 63, 20, 3], device=device)
+    want_q = reference_rotary(q.clone(), positions.cpu(), cos, sin)
+    want_k = reference_rotary(k.clone(), positions.cpu(), cos, sin)
+    v_before = qkv[:, (nq + nkv) * d:].clone()
+    rotary_embedding(q, k, positions, cos.to(device), sin.to(device))
+    assert rel_err(q, want_q) < TOL[dtype] / 10 and rel_err(k, want_k) < TOL[dtype] / 10, "rotary differs"
+    assert torch.equal(qkv[:, (nq + nkv) * d:], v_before), "rotary touched the value heads"
+
+
+def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
+    for rows, d in ((3, 40), (2, 3000)):
+        x = torch.randn(rows, 2 * d, dtype=dtype, device=device)
+        want = torch.nn.functional.silu(x[:, :d]) * x[:, d:]
+        out = torch.full((rows, d), float("nan"), dtype=dtype, device=device)
+        silu_and_mul(x, out=out)
+        assert rel_err(out, want) < TOL[dtype] / 10, "silu_and_mul differs"
+
+
+def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, max_tv: float = 0.03) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, vocab, generator=gen) * 2
+    logits[2, 5] = logits[2].max() + 1.0  # a clear winner for the greedy row
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.3])
+    logits, temperature, min_p = logits.to(device), temperature.to(device), min_p.to(device)
+    seeds = torch.tensor([11, 12, 13, 14], device=device)
+    # Many steps of the same rows: the empirical distribution must match softmax(logits / T).
+    out = gumbel_sample(logits.repeat(num_draws, 1), temperature.repeat(num_draws), seeds.repeat(num_draws),
+                        torch.arange(num_draws, device=device).repeat_interleave(4),
+                        min_p=min_p.repeat(num_draws)).cpu()
+    assert (out[2::4] == 5).all(), "greedy row did not take the argmax"
+    for r in (0, 1, 3):
+        counts = torch.bincount(out[r::4], minlength=vocab).double()
+        probs = torch.softmax(logits[r].double().cpu() / float(temperature[r]), -1)
+        if r == 3:
+            probs = torch.where(probs >= 0.3 * probs.max(), probs, 0.0)
+            probs = probs / probs.sum()
+            assert counts[probs == 0].sum() == 0, "min-p let a filtered token through"
+        tv = 0.5 * float((counts / num_draws - probs).abs().sum())
+        assert tv < max_tv, f"row {r}: total variation {tv:.3f} from softmax(logits / T)"
+    again = gumbel_sample(logits, temperature, seeds, torch.zeros(4, dtype=torch.long, device=device), min_p=min_p)
+    assert torch.equal(again.cpu(), out[:4]), "the same seed and step drew a different token"
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+                 torch.int64: "i64"}
+
+
+def hopper_launches() -> list[tuple[object, dict, dict]]:
+    """Call every launcher with CPU tensors of the model shapes (qwen3-0.6b attention, bf16) and
+    record each kernel launch as (kernel, arguments, launch options) instead of running it."""
+    import specloop.kernels.activation as activation
+    import specloop.kernels.kv_write as kv_write_mod
+    import specloop.kernels.paged_attention as attention
+    import specloop.kernels.rms_norm as rms_norm_mod
+    import specloop.kernels.rotary as rotary
+    import specloop.kernels.sampling as sampling
+
+    launches: list[tuple[object, dict, dict]] = []
+
+    class Recorder:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid: object):
+            def launch(*args, **kwargs):
+                names = self.fn.arg_names
+                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+                launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
+            return launch
+
+    modules = (activation, kv_write_mod, attention, rms_norm_mod, rotary, sampling)
+    saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
+    for m, n, fn in saved:
+        setattr(m, n, Recorder(fn))
+    try:
+        for dtype in (torch.bfloat16,):
+            q, kc, vc, qsl, seq_lens, bt = _ragged_batch([1, 1, 300], [500, 9, 0], 16, 8, 128, 16, "cpu", dtype)
+            for splits in (1, 8):
+                attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=300,
+                                          num_splits=splits)
+                attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
+                                          num_splits=splits)
+            k = torch.randn(4, 8, 128, dtype=dtype)
+            kv_write_mod.kv_write(k, k, kc, vc, torch.arange(4))
+            x = torch.randn(4, 1024, dtype=dtype)
+            rms_norm_mod.rms_norm(x, x[0], 1e-6, residual=x.clone())
+            rms_norm_mod.rms_norm(x, x[0], 1e-6)
+            qkv = torch.randn(4, 32 * 128, dtype=dtype)
+            cos, sin = rope_tables(64, 128, 1e6)
+            rotary.rotary_embedding(qkv[:, :2048].view(4, 16, 128), qkv[:, 2048:3072].view(4, 8, 128),
+                                    torch.arange(4), cos, sin)
+            activation.silu_and_mul(torch.randn(4, 6144, dtype=dtype))
+            logits = torch.randn(4, 151936, dtype=dtype)
+            sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
+            sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+    return launches
+
+
+def check_compiles_for_hopper() -> None:
+    """Compile every recorded launch for sm_90 (ptxas runs here, no GPU needed), specialised the
+    way Triton's JIT specialises on the device: tensors and multiples of 16 as 16-divisible."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    launches = hopper_launches()
+    assert len(launches) >= 12, f"only {len(launches)} launches recorded"
+    for fn, args, options in launches:
+        signature, constexprs, attrs = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):
+            value = args[name]
+            if fn.params[i].is_constexpr:
+                signature[name] = "constexpr"
+                constexprs[name] = value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _TRITON_TYPES[value.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i64" if abs(value) >= 2 ** 31 else "i32"
+                if value % 16 == 0 and value != 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[name] = "fp32"
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm.get("cubin"), f"{fn.__name__} produced no cubin"
+
+
+ALL_CHECKS = {
+    "paged_attention": check_paged_attention,
+    "kv_write": check_kv_write,
+    "rms_norm": check_rms_norm,
+    "rotary": check_rotary,
+    "silu_and_mul": check_silu_and_mul,
+}
+
+
+def _main() -> None:
+    """``python kernel_checks.py CHECK [DTYPE,...]``: run one check on the CPU (under the interpreter
+    when the caller set ``TRITON_INTERPRET=1``)."""
+    import sys
+
+    name = sys.argv[1]
+    if name == "compiles_for_hopper":
+        check_compiles_for_hopper()
+    elif name == "gumbel_sample":  # the interpreter runs one program at a time: a small vocabulary
+        check_gumbel_sample("cpu", vocab=8, num_draws=250, max_tv=0.15)
+    else:
+        for dtype_name in (sys.argv[2] if len(sys.argv) > 2 else "float32").split(","):
+            ALL_CHECKS[name]("cpu", getattr(torch, dtype_name))
+    print(f"ok {name}")
+
+
+if __name__ == "__main__":
+    _main()

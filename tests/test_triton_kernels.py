@@ -1,0 +1,47 @@
+"""The Triton kernels on the CPU, through Triton's interpreter, against short PyTorch references.
+
+``TRITON_INTERPRET=1`` decides how ``@triton.jit`` wraps a kernel when its module is first
+imported, and would leak into every other test of the session; so each check runs in a child
+process (``tests/kernel_checks.py``) with the variable set only there. Shapes are small (the
+interpreter runs one program at a time); the same checks run on the GPU with bf16 in
+``test_gpu_backend.py``. float16 stands in for bf16 here: the interpreter computes bf16 dot products
+wrongly (Triton 3.9, numpy has no bf16).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHECKS = Path(__file__).with_name("kernel_checks.py")
+
+
+def _run(*args: str, interpret: bool = True) -> None:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"ok {args[0]}" in proc.stdout
+
+
+@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "silu_and_mul"])
+def test_kernel_matches_torch_reference(check: str) -> None:
+    _run(check, "float32,float16")
+
+
+def test_gumbel_sample_follows_softmax_and_is_seeded() -> None:
+    _run("gumbel_sample")
+
+
+def test_every_kernel_compiles_for_hopper() -> None:
+    # Catches what the interpreter cannot: types, layouts and shared memory of the real compile.
+    _run("compiles_for_hopper", interpret=False)
