@@ -5,6 +5,7 @@ Starlette route and ``state`` is the app's :class:`~specloop.server.app.ServerSt
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -54,6 +55,7 @@ async def _collected(request: Request, gen: Generation, work: Awaitable[dict[str
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.perf_counter()
     req = protocol.parse_completion_request(await _json_body(state, request))
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
@@ -70,7 +72,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         inputs.append(PromptInput(ids, text, params))
     request_id = protocol.new_id("cmpl")
     ctx = CompletionContext(request_id, protocol.now(), model, req.echo, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, inputs, req.priority)
+    gen = Generation(state, request_id, inputs, arrival=arrival, priority=req.priority)
     if req.stream:
         return EventStream(stream_completion(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_completion(state, gen, ctx))
@@ -91,6 +93,7 @@ def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generat
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.perf_counter()
     req = protocol.parse_chat_request(await _json_body(state, request))
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
@@ -100,7 +103,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                    logprobs=req.logprobs)
     request_id = protocol.new_id("chatcmpl")
     ctx = ChatContext(request_id, protocol.now(), model, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, [PromptInput(ids, None, params)], req.priority)
+    gen = Generation(state, request_id, [PromptInput(ids, None, params)], arrival=arrival, priority=req.priority)
     if req.stream:
         return EventStream(stream_chat(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_chat(state, gen, ctx))
@@ -114,11 +117,8 @@ async def list_models(state: ServerState, request: Request) -> Response:
 
 
 async def health(state: ServerState, request: Request) -> Response:
-    if state.engine.errored is not None or not state.engine.is_running:
-        error = engine_unavailable(state)
-        assert error is not None
-        return error.to_response()
-    return Response(status_code=200)
+    error = engine_unavailable(state)
+    return error.to_response() if error is not None else Response(status_code=200)
 
 
 async def metrics(state: ServerState, request: Request) -> Response:

@@ -4,7 +4,7 @@ A :class:`Generation` owns the engine requests of one HTTP request (one per prom
 ``n`` choices) and runs each in its own task, so that the server can cancel them from outside: on a
 client disconnect, on shutdown, or when another prompt of the same request fails. Cancelling the
 task that consumes ``AsyncEngine.generate`` aborts the request in the engine (its KV blocks are
-freed at the next step). The consumers here build the non-streaming body or the SSE chunks.
+freed before the next step). The consumers here build the non-streaming body or the SSE chunks.
 """
 
 from __future__ import annotations
@@ -66,13 +66,14 @@ class Generation:
     :class:`EngineFailure`.
     """
 
-    def __init__(self, state: ServerState, request_id: str, inputs: list[PromptInput], priority: int = 0) -> None:
+    def __init__(self, state: ServerState, request_id: str, inputs: list[PromptInput], *, arrival: float,
+                 priority: int = 0) -> None:
+        """:param arrival: ``time.perf_counter()`` when the HTTP request was accepted (latencies start there)."""
         self.state = state
         self.priority = priority
         self.request_id = request_id
         self.inputs = inputs
-        now = time.perf_counter()
-        self.choices = [[_Choice(now) for _ in range(p.params.n)] for p in inputs]
+        self.choices = [[_Choice(arrival) for _ in range(p.params.n)] for p in inputs]
         self.prompt_logprobs: list[list[Any]] = [[] for _ in inputs]  # per prompt position, when asked for
         self._queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._run(i, p), name=f"{request_id}-{i}") for i, p in enumerate(inputs)]
