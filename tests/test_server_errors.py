@@ -218,7 +218,7 @@ class FailingPlugin:
         register("failing", FailingRunner)
 
 
-def test_engine_error_mid_stream(tmp_path: Any) -> None:
+def test_engine_error_mid_stream() -> None:
     config = EngineConfig(model_runner="failing", tokenizer=tiny_model_dir(), max_model_len=MAX_MODEL_LEN,
                           plugin_options={"scripted": {"vocab_size": VOCAB_SIZE}})
     engine = AsyncEngine(config, PluginManager([FailingPlugin()]))
@@ -242,3 +242,14 @@ def test_engine_error_mid_stream(tmp_path: Any) -> None:
             stream = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(
                 model=MODEL, prompt="Hello", stream=True)
             list(stream)
+
+
+def test_engine_error_during_a_non_streaming_request() -> None:
+    config = EngineConfig(model_runner="failing", tokenizer=tiny_model_dir(), max_model_len=MAX_MODEL_LEN,
+                          plugin_options={"scripted": {"vocab_size": VOCAB_SIZE}})
+    engine = AsyncEngine(config, PluginManager([FailingPlugin()]))
+    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
+        r = httpx.post(srv.url + CHAT, json={"messages": USER, "max_tokens": 50, "ignore_eos": True})
+        error = assert_error_shape(r, 500, "server_error", None)
+        assert "simulated device failure" in error["message"] and error["code"] == "engine_error"
+        assert_error_shape(httpx.get(srv.url + "/health"), 503, "server_error", None)

@@ -108,6 +108,10 @@ async def test_dropped_streams_are_aborted_and_free_their_blocks(server: ServerT
         busy = scrape(server.url)
         assert busy["specloop:num_requests_running"] + busy["specloop:num_requests_waiting"] == n
         assert busy["specloop:kv_cache_usage_perc"] > 0
+        # The engine yields between steps: health answers while the batch generates.
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert time.perf_counter() - t0 < 1.0
         holding.set()
         await asyncio.gather(*tasks)
 
