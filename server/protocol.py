@@ -316,7 +316,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-TokenText = Callable[[int, Logprob], str]
+# A token's text for logprob entries: (token id, its Logprob if any) -> text.
+TokenText = Callable[[int, Logprob | None], str]
 
 
 def _ranked(entries: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
@@ -336,7 +337,7 @@ class CompletionLogprobs:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entries in zip(token_ids, logprobs):
             entry = entries.get(tid) if entries else None
-            text = self.token_text(tid, entry) if entry is not None else self.token_text(tid, Logprob(0.0))
+            text = self.token_text(tid, entry)
             out["tokens"].append(text)
             out["token_logprobs"].append(entry.logprob if entry is not None else None)
             top: dict[str, float] | None = None
@@ -353,15 +354,16 @@ class CompletionLogprobs:
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], top: int,
                   token_text: TokenText) -> dict[str, Any]:
     """Chat's ``logprobs.content``: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    def item(token_id: int, entry: Logprob | None) -> dict[str, Any]:
+        text = token_text(token_id, entry)
+        return {"token": text, "logprob": entry.logprob if entry is not None else None,
+                "bytes": list(text.encode("utf-8"))}
+
     content = []
     for tid, entries in zip(token_ids, logprobs):
         entries = entries or {}
-        entry = entries.get(tid, Logprob(float("nan")))
-        text = token_text(tid, entry)
-        alternatives = [lp for lp in _ranked(entries) if lp[1].rank is None or lp[1].rank <= top][:top]
-        content.append({"token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": [{"token": (t := token_text(a, lp)), "logprob": lp.logprob,
-                                          "bytes": list(t.encode("utf-8"))} for a, lp in alternatives]})
+        ranked = [(t, lp) for t, lp in _ranked(entries) if lp.rank is None or lp.rank <= top][:top]
+        content.append({**item(tid, entries.get(tid)), "top_logprobs": [item(t, lp) for t, lp in ranked]})
     return {"content": content}
 
 
