@@ -132,7 +132,7 @@ class AsyncEngine:
                     self.engine_core.abort(to_abort)
                 if state.error is not None and any(o.finish_reason == FinishReason.ERROR for o in outs):
                     raise EngineDeadError(state.error)
-                out = state.make_output(delta)
+                out = state.delta_output() if delta else state.output()
                 if out is not None:
                     yield out
         finally:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from specloop.kernel.engine_core import EngineCore
+from specloop.kernel.outputs import EngineCoreOutput
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 
@@ -109,7 +110,7 @@ class LLM:
             self.engine_core.add_requests(requests)
             self.stats.num_requests_added += len(requests)
         self._step_until_done(owner, len(states), use_tqdm)
-        return [state.make_output() for state in states]  # type: ignore[misc]
+        return [state.output() for state in states]
 
     def _step_until_done(self, owner: dict[str, RequestState], total: int, use_tqdm: bool) -> None:
         core = self.engine_core
@@ -120,7 +121,7 @@ class LLM:
                 outputs = core.step()
                 core.post_step()
                 self.stats.record_step(outputs.scheduler_stats)
-                by_state: dict[int, tuple[RequestState, list]] = {}
+                by_state: dict[int, tuple[RequestState, list[EngineCoreOutput]]] = {}
                 for out in outputs.outputs:
                     state = owner.get(out.req_id)
                     if state is not None:

@@ -175,18 +175,27 @@ class RequestState:
                 c.detokenizer.finish()
                 c.finish_reason = FinishReason.ABORT.value
 
-    def make_output(self, delta: bool = False) -> RequestOutput | None:
-        """Cumulative: every completion so far. Delta: only completions with something new (None when
-        nothing is), and only the prompt logprobs not sent before (None when there are none)."""
-        completions = [c.to_output(delta) for c in self.completions.values()]
-        outputs = [c for c in completions if c is not None]
-        prompt_logprobs = self.prompt_logprobs
-        if delta and prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs[self._sent_prompt_logprobs:] or None
-            self._sent_prompt_logprobs += len(prompt_logprobs or ())
-        if delta and not outputs and not prompt_logprobs:
+    def output(self) -> RequestOutput:
+        """Everything so far: every completion, all prompt logprobs."""
+        return self._request_output([c.to_output(delta=False) for c in self.completions.values()],
+                                    self.prompt_logprobs)
+
+    def delta_output(self) -> RequestOutput | None:
+        """What is new since the previous call: only completions with something new, and only prompt
+        logprobs not sent before (None when there are none). None when nothing is new."""
+        outputs = [c for c in (c.to_output(delta=True) for c in self.completions.values()) if c is not None]
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs[self._sent_prompt_logprobs:] or None
+            self._sent_prompt_logprobs = len(self.prompt_logprobs)
+        if not outputs and not prompt_logprobs:
             return None
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=self.finished,
+        return self._request_output(outputs, prompt_logprobs)
+
+    def _request_output(self, outputs: list[CompletionOutput | None], prompt_logprobs: PromptLogprobs | None
+                        ) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [o for o in outputs if o is not None], finished=self.finished,
                              prompt_logprobs=prompt_logprobs, metrics=self.metrics,
                              num_cached_tokens=self.num_cached_tokens, error=self.error)
 

@@ -127,11 +127,11 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     lp = [TokenLogprobs(20, -0.5, 1, [20, 21], [-0.5, -1.5]), TokenLogprobs(30, -2.0, 3, [31, 32], [-0.1, -1.0])]
     prompt_lp = [None, TokenLogprobs(11, -3.0, 7, [40], [-0.2]), TokenLogprobs(12, -1.0, 1, [12], [-1.0])]
     state.process([EngineCoreOutput("r", [20], new_logprobs=lp[:1], new_prompt_logprobs=prompt_lp)])
-    delta = state.make_output(delta=True)
+    delta = state.delta_output()
     assert delta.prompt_logprobs[0] is None and delta.prompt_logprobs[1][11].rank == 7
     assert delta.prompt_logprobs[1][40].logprob == -0.2 and delta.prompt_logprobs[1][40].decoded_token == tok.token_text(40)
     state.process([EngineCoreOutput("r", [30], new_logprobs=lp[1:], finish_reason=FinishReason.LENGTH)])
-    final = state.make_output()
+    final = state.output()
     c = final.outputs[0]
     assert c.token_ids == [20, 30] and c.cumulative_logprob == pytest.approx(-2.5)
     assert list(c.logprobs[0]) == [20, 21] and c.logprobs[0][21].rank == 2
@@ -139,5 +139,5 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     assert list(c.logprobs[1]) == [30, 31, 32] and c.logprobs[1][30].rank == 3
     assert c.logprobs[1][31].decoded_token == tok.token_text(31)
     assert len(final.prompt_logprobs) == 3 and final.finished
-    second = state.make_output(delta=True)
+    second = state.delta_output()
     assert second.prompt_logprobs is None and second.outputs[0].logprobs[0][30].logprob == -2.0
