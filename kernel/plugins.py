@@ -20,6 +20,7 @@ DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
     "specloop.backends.torch_plugin",
+    "specloop.backends.gpu.plugin",
     "specloop.plugins.models",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",

@@ -40,7 +40,7 @@ def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
@@ -207,7 +207,7 @@ def paged_attention(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     num_seqs = seq_lens.shape[0]
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads

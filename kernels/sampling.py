@@ -1,12 +1,14 @@
 """Sampling one token per row by Gumbel-max, with temperature and min-p, one program per row.
 
-``argmax(logits / T + G)`` with ``G = -log(-log(U))`` is a draw from ``softmax(logits / T)``; it
-needs no normalisation and no sort, so the whole row is one streaming pass (two with min-p, which
-needs the row maximum first). ``U`` comes from Philox keyed by the row's ``seed`` mixed with its
-``step`` (the number of tokens the request generated before), counter = vocabulary index: a seeded
-request draws the same numbers whatever batch it shares, and each position draws fresh ones.
-Rows with ``temperature == 0`` take the plain argmax. Top-k / top-p are applied beforehand by
-masking logits to ``-inf`` (see ``specloop.backends.gpu.sampler``).
+``argmax(logits / T - log(E))``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry, is a draw from
+``softmax(logits / T)``: the log of the reference sampler's exponential race ``argmax(p / E)``. It
+needs no normalisation and no sort, so a row is one streaming pass (two with min-p, which needs the
+row maximum first). ``E = -log(U)`` uses the noise of the reference sampler and the rejection
+sampler (``specloop.proposers.rejection``): ``U`` hashes (request seed, sequence position of the
+sampled token, vocabulary id + 1), so a seeded request draws the same token here, in the torch
+sampler and as a bonus token after verification, whatever batch it shares. Rows with
+``temperature == 0`` take the plain argmax. Top-k / top-p are applied beforehand by masking logits
+to ``-inf`` (see ``specloop.backends.gpu.sampler``).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .rejection_sample import _position_key, _uniform
+
 
 @triton.jit
 def _gumbel_sample_kernel(
-    logits_ptr, stride_l, temperature_ptr, min_p_ptr, seed_ptr, step_ptr, out_ptr,
+    logits_ptr, stride_l, temperature_ptr, min_p_ptr, seed_ptr, position_ptr, out_ptr,
     V, BLOCK: tl.constexpr, USE_MIN_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temperature))
-    # Keys mix the request's seed with its position so successive tokens draw fresh numbers.
-    key = tl.load(seed_ptr + row) * 1000003 + tl.load(step_ptr + row)
+    key = _position_key(tl.load(seed_ptr + row), tl.load(position_ptr + row))
     base = logits_ptr + row * stride_l
     cols = tl.arange(0, BLOCK)
 
@@ -47,9 +50,7 @@ def _gumbel_sample_kernel(
         ok = idx < V
         x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
         if not greedy:
-            u = tl.rand(key, idx)
-            u = tl.maximum(u, 1e-10)
-            score = tl.where(x >= threshold, x - tl.log(-tl.log(u)), float("-inf"))
+            score = tl.where(x >= threshold, x - tl.log(-tl.log(_uniform(key, idx + 1))), float("-inf"))
         else:
             score = x
         # Ties (and all -inf rows) resolve to the lowest index, as torch.argmax does.
@@ -62,18 +63,18 @@ def _gumbel_sample_kernel(
     tl.store(out_ptr + row, winner.to(tl.int64))
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   min_p: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``logits`` ``[num_rows, vocab]``.
 
     :param temperature: float32 ``[num_rows]``; 0 means greedy.
-    :param seeds: int64 ``[num_rows]``, the rows' Philox seeds.
-    :param steps: int64 ``[num_rows]``, each row's generation step (mixed into the seed).
+    :param seeds: int64 ``[num_rows]``, each row's request seed.
+    :param positions: int64 ``[num_rows]``, sequence position of the token each row samples.
     :param min_p: float32 ``[num_rows]`` or None (no row uses min-p).
     :returns: int64 ``[num_rows]`` token ids.
     """
     num_rows, vocab = logits.shape
-    for name, t in (("temperature", temperature), ("seeds", seeds), ("steps", steps)):
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("positions", positions)):
         if t.shape[0] < num_rows:
             raise ValueError(f"{name} has {t.shape[0]} rows for {num_rows} logits rows")
     if logits.stride(-1) != 1:
@@ -83,7 +84,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     if num_rows == 0:
         return out
     _gumbel_sample_kernel[(num_rows,)](
-        logits, logits.stride(0), temperature, min_p if min_p is not None else temperature, seeds, steps, out,
+        logits, logits.stride(0), temperature, min_p if min_p is not None else temperature, seeds, positions, out,
         vocab, BLOCK=min(4096, triton.next_power_of_2(vocab)), USE_MIN_P=min_p is not None, num_warps=8,
     )
     return out

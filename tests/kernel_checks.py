@@ -122,6 +122,14 @@ def check_rms_norm(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(res2, want_res), "fused residual add differs from x + residual"
         err = rel_err(out, reference_rms_norm(want_res, w, 1e-6))
         assert err < TOL[dtype], f"fused rms_norm {rows}x{n}: rel err {err:.2e}"
+    # Per-head norm in place on the q slice of a fused qkv projection (a strided 3-D view).
+    qkv = torch.randn(5, 6 * 32, dtype=dtype, device=device)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    w = torch.randn(32, dtype=dtype, device=device)
+    want, rest = reference_rms_norm(q, w, 1e-6), qkv[:, 4 * 32:].clone()
+    rms_norm(q, w, 1e-6, out=q)
+    assert rel_err(q, want) < TOL[dtype], "in-place per-head rms_norm differs"
+    assert torch.equal(qkv[:, 4 * 32:], rest), "per-head rms_norm wrote outside its view"
 
 
 def rope_tables(max_pos: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +193,16 @@ def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, ma
             assert counts[probs == 0].sum() == 0, "min-p let a filtered token through"
         tv = 0.5 * float((counts / num_draws - probs).abs().sum())
         assert tv < max_tv, f"row {r}: total variation {tv:.3f} from softmax(logits / T)"
-    again = gumbel_sample(logits, temperature, seeds, torch.zeros(4, dtype=torch.long, device=device), min_p=min_p)
-    assert torch.equal(again.cpu(), out[:4]), "the same seed and step drew a different token"
+    # Same seeds and positions as the torch reference sampler: the same tokens.
+    from specloop.backends.sampler import SamplingMetadata, SamplingRow, sample
+    from specloop.kernel.sampling_params import SamplingParams
+
+    n = min(num_draws, 64)
+    params = [SamplingParams(temperature=float(t), min_p=float(m)) for t, m in zip(temperature, min_p)]
+    rows = [SamplingRow(params[r % 4], 11 + r % 4, r // 4, [], [], []) for r in range(4 * n)]
+    meta = SamplingMetadata.build(rows, vocab, torch.device(device))
+    want = sample(logits.float().repeat(n, 1), meta).cpu()
+    assert torch.equal(out[: 4 * n], want), "the Gumbel kernel and the torch sampler drew different tokens"
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",

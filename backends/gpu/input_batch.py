@@ -1,0 +1,255 @@
+"""The GPU-resident persistent batch (seed 004 §10.2): request state that lives on the device across
+steps, and one step's inputs built from it with O(requests) host work.
+
+Per request *slot* the device keeps the token ids (prompt, committed output, then drafts), the block
+table and the sampling parameters the fast sampler reads. They change incrementally: a new request
+writes its tokens and blocks once; a running one appends only what the device lacks (new blocks,
+tokens it did not sample itself, drafts). The GPU runner writes each sampled token straight into
+the token row, so a plain decode step sends no token ids at all.
+
+Each step the host fills one pinned int32 buffer, ``[req_slots | starts | qsl | seq_lens |
+sample_req_rows | logits_indices]``, and copies it to the device in one transfer; the
+``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
+``slot_mapping``. All step tensors have fixed addresses, so CUDA graphs captured on them replay on
+the live values; rows past the live batch are padding a graph may read (no owner, no KV write).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specloop.backends.input_batch import InputBatch, RequestState
+from specloop.kernel.outputs import SchedulerOutput
+from specloop.kernel.sampling_params import SamplingParams
+from specloop.kernels.prepare_inputs import prepare_inputs
+
+from .attention import GpuAttentionMetadata
+
+
+def plain_sampling(params: SamplingParams) -> bool:
+    """Whether the fast sampler (temperature, min-p, seed only) reproduces the reference sampler for
+    this request; anything else goes through the full path."""
+    return (params.top_k == 0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
+            and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and not params.logit_bias
+            and params.min_tokens == 0 and params.logprobs is None and params.prompt_logprobs is None)
+
+
+class PersistentBatch:
+    """Device buffers for up to ``max_reqs`` live requests and one step of ``max_tokens`` tokens."""
+
+    def __init__(self, max_reqs: int, max_len: int, block_size: int, max_tokens: int, device: torch.device) -> None:
+        self.max_reqs, self.max_len, self.block_size, self.max_tokens = max_reqs, max_len, block_size, max_tokens
+        self.device = device
+        self.max_blocks = -(-max_len // block_size)
+        i32 = dict(dtype=torch.int32, device=device)
+        # --- per slot, persistent ---
+        self.tokens = torch.zeros(max_reqs, max_len, **i32)
+        self.block_table = torch.zeros(max_reqs, self.max_blocks, **i32)
+        self.temperature = torch.zeros(max_reqs, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(max_reqs, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        # --- host bookkeeping (set by add/remove/update) ---
+        self.slots: dict[str, int] = {}
+        self._free = list(range(max_reqs - 1, -1, -1))
+        self.device_len: dict[str, int] = {}  # leading token positions valid on the device
+        self.device_blocks: dict[str, int] = {}  # leading block-table entries valid on the device
+        self.sampled_on_device: dict[str, tuple[int, int]] = {}  # (position, token) the runner wrote
+        self.plain: dict[str, bool] = {}
+        self._token_writes: list[tuple[int, int, list[int]]] = []
+        self._block_writes: list[tuple[int, int, list[int]]] = []
+        self._param_writes: list[tuple[int, float, float, int]] = []
+        # --- one step, at fixed addresses ---
+        self._off = np.cumsum([0, max_reqs, max_reqs, max_reqs + 1, max_reqs, max_tokens, max_tokens])
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(int(self._off[-1]), dtype=torch.int32, pin_memory=pinned)
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(int(self._off[-1]), **i32)
+        self.req_slots, self.starts, self.query_start_loc, self.seq_lens, self.sample_req_rows, \
+            self.logits_indices = (self._dev[self._off[k]:self._off[k + 1]] for k in range(6))
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_reqs, self.max_blocks, **i32)
+
+    # --- request lifecycle ----------------------------------------------------------------------
+
+    def add(self, state: RequestState) -> None:
+        """A new or resumed request: all its tokens, its block table and sampling parameters."""
+        if state.req_id in self.slots:
+            self.remove(state.req_id)
+        if not self._free:
+            raise RuntimeError(f"more than {self.max_reqs} live requests (max_num_seqs)")
+        if len(state.token_ids) > self.max_len:
+            raise ValueError(f"request {state.req_id!r} has {len(state.token_ids)} tokens, more than "
+                             f"the {self.max_len} the device batch holds")
+        slot = self._free.pop()
+        rid = state.req_id
+        self.slots[rid] = slot
+        self._token_writes.append((slot, 0, state.token_ids))
+        self._block_writes.append((slot, 0, state.block_ids))
+        self.device_len[rid] = len(state.token_ids)
+        self.device_blocks[rid] = len(state.block_ids)
+        params = state.sampling_params
+        self._param_writes.append((slot, 0.0 if params.greedy else params.temperature, params.min_p, state.seed))
+        self.plain[rid] = plain_sampling(params)
+
+    def remove(self, req_id: str) -> None:
+        slot = self.slots.pop(req_id, None)
+        if slot is None:
+            return
+        self._free.append(slot)
+        for d in (self.device_len, self.device_blocks, self.sampled_on_device, self.plain):
+            d.pop(req_id, None)
+
+    def update(self, state: RequestState) -> None:
+        """A running request after the plan's committed tokens and new blocks were appended to
+        ``state``: send the device what it lacks."""
+        rid = state.req_id
+        slot = self.slots[rid]
+        have = self.device_len[rid]
+        written = self.sampled_on_device.pop(rid, None)
+        if written is not None:
+            pos, token = written
+            # The scheduler committed the token sampled here (its usual case), or not.
+            have = pos + 1 if pos < len(state.token_ids) and state.token_ids[pos] == token else min(have, pos)
+        have = min(have, len(state.token_ids))
+        if have < len(state.token_ids):
+            self._token_writes.append((slot, have, state.token_ids[have:]))
+        self.device_len[rid] = len(state.token_ids)
+        nb = self.device_blocks[rid]
+        if nb < len(state.block_ids):
+            self._block_writes.append((slot, nb, state.block_ids[nb:]))
+            self.device_blocks[rid] = len(state.block_ids)
+
+    def flush_writes(self) -> None:
+        """Apply the staged token, block-table and parameter writes (one transfer each)."""
+        for writes, target in ((self._token_writes, self.tokens), (self._block_writes, self.block_table)):
+            if not writes:
+                continue
+            rows = np.concatenate([np.full(len(v), s, dtype=np.int64) for s, _, v in writes])
+            cols = np.concatenate([np.arange(c, c + len(v), dtype=np.int64) for _, c, v in writes])
+            vals = np.concatenate([np.asarray(v, dtype=np.int32) for _, _, v in writes])
+            if cols.size and int(cols.max()) >= target.shape[1]:
+                raise ValueError(f"a request outgrew the device batch ({int(cols.max()) + 1} > {target.shape[1]})")
+            flat = torch.from_numpy(rows * target.shape[1] + cols).to(self.device, non_blocking=True)
+            target.view(-1).index_copy_(0, flat, torch.from_numpy(vals).to(self.device, non_blocking=True))
+            writes.clear()
+        if self._param_writes:
+            slots, temps, min_ps, seeds = zip(*self._param_writes)
+            index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.temperature.index_copy_(0, index, torch.tensor(temps, dtype=torch.float32).to(self.device))
+            self.min_p.index_copy_(0, index, torch.tensor(min_ps, dtype=torch.float32).to(self.device))
+            self.seeds.index_copy_(0, index, torch.tensor([_to_int64(s) for s in seeds],
+                                                          dtype=torch.int64).to(self.device))
+            self._param_writes.clear()
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def prepare(self, plan: SchedulerOutput, requests: dict[str, RequestState], pad_to: int | None = None,
+                num_splits: int = 0) -> InputBatch:
+        """The step's :class:`InputBatch` (the reference ``prepare_inputs``'s contract). With
+        ``pad_to``, batch rows up to it are padding for a CUDA graph of that many requests."""
+        req_ids = list(plan.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        slots, starts, qsl, seq_lens = [], [], [0], []
+        specs: list[list[int]] = []
+        sample_rows: list[tuple[int, int]] = []
+        prompt_rows: list[tuple[int, int]] = []
+        token_rows: list[int] = []
+        sample_req_rows: list[int] = []
+        for i, rid in enumerate(req_ids):
+            state = requests[rid]
+            n = plan.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            spec = plan.scheduled_spec_decode_tokens.get(rid, [])
+            end = start + n
+            known = len(state.token_ids)
+            if end > known + len(spec):
+                raise ValueError(f"plan schedules request {rid!r} past its known tokens "
+                                 f"({end} > {known} + {len(spec)} drafts)")
+            if end > len(state.block_ids) * self.block_size:
+                raise ValueError(f"plan schedules request {rid!r} past its KV blocks "
+                                 f"({end} > {len(state.block_ids)} * {self.block_size})")
+            slot = self.slots[rid]
+            if spec:
+                self._token_writes.append((slot, known, list(spec)))
+            first_row = qsl[-1]
+            if state.sampling_params.prompt_logprobs is not None:
+                last = min(end, state.num_prompt_tokens - 1)
+                count = max(0, last - start)
+                prompt_rows.append((len(token_rows), count))
+                token_rows.extend(range(first_row, first_row + count))
+            else:
+                prompt_rows.append((len(token_rows), 0))
+            num_sample = len(spec) + 1 if end == known + len(spec) else 0
+            sample_rows.append((len(token_rows), num_sample))
+            token_rows.extend(range(first_row + n - num_sample, first_row + n))
+            sample_req_rows.extend([i] * num_sample)
+            slots.append(slot)
+            starts.append(start)
+            qsl.append(first_row + n)
+            seq_lens.append(end)
+            specs.append(list(spec))
+        self.flush_writes()
+        num_tokens = qsl[-1]
+        rows = pad_to or num_reqs
+        if num_tokens > self.max_tokens or rows > self.max_reqs:
+            raise ValueError(f"step of {num_tokens} tokens / {rows} requests exceeds the device batch "
+                             f"({self.max_tokens} / {self.max_reqs})")
+        host, off = self._host_np, self._off
+        host[off[0]:off[0] + num_reqs] = slots
+        host[off[1]:off[1] + num_reqs] = starts
+        host[off[2]:off[2] + num_reqs + 1] = qsl
+        host[off[2] + num_reqs + 1:off[2] + rows + 1] = num_tokens  # padding requests own no tokens
+        host[off[3]:off[3] + num_reqs] = seq_lens
+        host[off[3] + num_reqs:off[3] + rows] = 0
+        host[off[4]:off[4] + len(sample_req_rows)] = sample_req_rows
+        host[off[5]:off[5] + len(token_rows)] = token_rows
+        self._dev.copy_(self._host, non_blocking=True)
+        torch.index_select(self.block_table, 0, self.req_slots[:num_reqs], out=self.block_tables[:num_reqs])
+        if pad_to:
+            self.slot_mapping[num_tokens:].fill_(-1)
+        prepare_inputs(self.tokens, self.block_table, self.req_slots[:num_reqs], self.starts[:num_reqs],
+                       self.query_start_loc[:num_reqs + 1], self.block_size,
+                       self.input_ids, self.positions, self.slot_mapping)
+        meta = GpuAttentionMetadata(
+            query_start_loc=self.query_start_loc[:num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.block_tables[:num_reqs],
+            max_query_len=max(plan.num_scheduled_tokens.values(), default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            num_splits=num_splits,
+        )
+        return InputBatch(
+            req_ids=req_ids,
+            num_scheduled_tokens=[plan.num_scheduled_tokens[r] for r in req_ids],
+            num_computed_tokens=starts,
+            spec_token_ids=specs,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            attn_metadata=meta,
+            query_start_loc=qsl,
+            logits_indices=self.logits_indices[:len(token_rows)],
+            sample_rows=sample_rows,
+            prompt_rows=prompt_rows,
+        )
+
+    def write_sampled(self, tokens: torch.Tensor) -> None:
+        """Store the tokens just sampled, one per entry of ``sample_req_rows``, into their requests'
+        token rows at the next position (device to device; the host learns them later)."""
+        rows = self.sample_req_rows[:tokens.shape[0]].long()
+        slots = self.req_slots.index_select(0, rows).long()
+        pos = self.seq_lens.index_select(0, rows).long()
+        self.tokens.view(-1).index_copy_(0, slots * self.max_len + pos, tokens.to(torch.int32))
+
+    def note_sampled(self, req_id: str, position: int, token: int) -> None:
+        self.sampled_on_device[req_id] = (position, token)
+
+
+def _to_int64(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
