@@ -11,7 +11,6 @@ what it accelerates (input packing, the forward, the sampler).
 
 from __future__ import annotations
 
-import logging
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,8 +26,6 @@ from specloop.proposers.verify import RejectionSampler
 from . import sampler as sampling
 from .attention import ForwardContext
 from .input_batch import InputBatch, RequestState, prepare_inputs
-
-logger = logging.getLogger("specloop")
 
 CPU_KV_CACHE_BYTES = 512 << 20  # the CPU default when neither num_kv_blocks nor kv_cache_memory is set
 

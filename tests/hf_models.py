@@ -55,11 +55,12 @@ class TinyModel:
         return out[0, len(prompt):].tolist()
 
 
-def build(name: str, root: str, seed: int = 0, **save_kwargs: Any) -> TinyModel:
+def build(name: str, root: str, seed: int = 0, overrides: dict[str, Any] | None = None,
+          **save_kwargs: Any) -> TinyModel:
     import transformers
 
     config_cls, model_cls, extra = VARIANTS[name]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import VARIANTS, build, make_runner, prompts, tiny
+from hf_models import VARIANTS, build, prompts, tiny
 
 from specloop.backends.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend
 from specloop.kernel.config import EngineConfig
@@ -77,6 +77,17 @@ def test_older_config_style_loads_the_same_model(tmp_path: Any) -> None:
     assert cfg.rope == read_model_config(model.path).rope
     ours, _ = load_model(path, MODELS, "cpu", "auto")
     tokens = prompts(1, seed=11, min_len=90, max_len=90)[0]  # past original_max_position_embeddings
+    torch.testing.assert_close(forward_logits(ours, tokens), model.logits(tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+                                  {"rope_type": "default", "rope_theta": 100.0}])
+def test_rope_variants(tmp_path: Any, rope: dict[str, Any]) -> None:
+    model = build("llama", str(tmp_path), seed=4, overrides={"rope_parameters": rope, "attention_bias": True,
+                                                             "mlp_bias": True})
+    ours, cfg = load_model(model.path, MODELS, "cpu", "auto")
+    assert cfg.rope.rope_type == rope["rope_type"]
+    tokens = prompts(1, seed=16, min_len=60, max_len=60)[0]
     torch.testing.assert_close(forward_logits(ours, tokens), model.logits(tokens), atol=1e-4, rtol=0)
 
 
