@@ -2,7 +2,9 @@
 on loopback.
 
 Poisson arrivals at each request rate (``inf``: all at once), random token-id prompts of
-``--input-len`` tokens, ``--output-len`` output tokens each (``ignore_eos``), streamed. Reports TTFT,
+``--input-len`` tokens, ``--output-len`` output tokens each (``ignore_eos``), streamed. Every rate gets
+prompts of its own (so no run is served from an earlier run's prefix cache), after a warm-up pass
+that compiles/initialises kernels for the shapes the runs will see. Reports TTFT,
 TPOT ((latency - TTFT) / (output_len - 1)), ITL (gaps between streamed chunks), end-to-end latency
 (mean, p50, p99), request and token throughput; with ``--offline``, also offline ``LLM.generate``
 throughput on the same prompts in the same run and the serving/offline ratio at rate ``inf``.
@@ -166,14 +168,15 @@ def start_server(model: str, port: int, engine_args: list[str]) -> subprocess.Po
     raise TimeoutError("specloop serve did not become healthy")
 
 
-def offline_throughput(model: str, engine_args: list[str], prompts: list[list[int]], output_len: int) -> float:
+def offline_throughput(model: str, engine_args: list[str], warmup: list[list[int]], prompts: list[list[int]],
+                       output_len: int) -> float:
     from specloop import LLM, SamplingParams
     from specloop.cli import build_parser, engine_kwargs
 
     kwargs = engine_kwargs(build_parser().parse_args(["serve", model, *engine_args]))
     llm = LLM(model, **kwargs)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm up
+    llm.generate(warmup, params, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
@@ -189,7 +192,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rates", default="1,4,16,inf", help="comma-separated requests/s; inf = all at once")
     ap.add_argument("--max-concurrency", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up prompts sent at once (default: --num-prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offline", action="store_true", help="also measure offline LLM throughput (same prompts)")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -204,7 +207,9 @@ def main() -> int:
               "seed": args.seed, "python": platform.python_version()}
     print(json.dumps(config, indent=1), flush=True)
 
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size(args.model), args.seed)
+    vocab = vocab_size(args.model)
+    warmup = make_prompts(args.warmup or args.num_prompts, args.input_len, vocab, args.seed)
+    prompt_sets = [make_prompts(args.num_prompts, args.input_len, vocab, args.seed + 1 + i) for i in range(len(rates))]
     proc = None
     url = args.url
     if url is None:
@@ -214,9 +219,8 @@ def main() -> int:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     report: dict[str, Any] = {"config": config, "rates": {}}
     try:
-        warm = make_prompts(args.warmup, args.input_len, vocab_size(args.model), args.seed + 1)
-        asyncio.run(run_rate(url, model, warm, args.output_len, float("inf"), args.max_concurrency, args.seed))
-        for rate in rates:
+        asyncio.run(run_rate(url, model, warmup, args.output_len, float("inf"), args.max_concurrency, args.seed))
+        for rate, prompts in zip(rates, prompt_sets):
             results, duration = asyncio.run(run_rate(url, model, prompts, args.output_len, rate,
                                                      args.max_concurrency, args.seed))
             stats = summarize(results, duration, args.input_len)
@@ -232,7 +236,8 @@ def main() -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     if args.offline:
-        offline = offline_throughput(args.model, engine_args, prompts, args.output_len)
+        at_inf = prompt_sets[rates.index(float("inf"))] if float("inf") in rates else prompt_sets[-1]
+        offline = offline_throughput(args.model, engine_args, warmup, at_inf, args.output_len)
         report["offline_output_throughput"] = offline
         print(f"\noffline output throughput  {offline:.2f} tok/s")
         inf = report["rates"].get("inf", {}).get("output_throughput")
