@@ -31,6 +31,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int  # first position computed in the current step
     seed: int  # effective sampling seed
+    eos_token_ids: tuple[int, ...] = ()  # the request's own EOS ids, besides the model's
 
     @property
     def num_prompt_tokens(self) -> int:

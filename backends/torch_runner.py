@@ -192,6 +192,7 @@ class TorchModelRunner:
                 sampling_params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                eos_token_ids=tuple(new.eos_token_ids),
                 seed=params.seed if params.seed is not None else self._derived_seed(new.req_id),
             )
         for cached in plan.scheduled_running_reqs:
@@ -253,7 +254,9 @@ class TorchModelRunner:
                 continue
             state = self.requests[rid]
             params = state.sampling_params
-            stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += [t for t in (*eos, *state.eos_token_ids) if t not in stop_ids]
             output = state.output_token_ids
             spec = batch.spec_token_ids[i]
             for j in range(count):

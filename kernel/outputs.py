@@ -26,6 +26,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # first position computed this step (prefix-cache hits are skipped)
+    eos_token_ids: tuple[int, ...] = ()  # the request's EOS ids (min_tokens masks them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,7 +203,8 @@ class FCFSScheduler:
         for request in admitted:
             data = NewRequestData(request.request_id, list(request.prompt_token_ids),
                                   list(request.output_token_ids), request.sampling_params,
-                                  self.kv_cache.get_block_ids(request.request_id), request.num_computed_tokens)
+                                  self.kv_cache.get_block_ids(request.request_id), request.num_computed_tokens,
+                                  tuple(request.eos_token_ids))
             (resumed_data if request.status == RequestStatus.PREEMPTED else new_data).append(data)
             request.status = RequestStatus.RUNNING
             request.num_tokens_sent = request.num_tokens
