@@ -253,4 +253,6 @@ class EngineStats:
         d["prefix_cache_hit_rate"] = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         d["spec_acceptance_rate"] = (self.spec_num_accepted_tokens / self.spec_num_draft_tokens
                                      if self.spec_num_draft_tokens else 0.0)
+        d["spec_mean_acceptance_length"] = (1 + self.spec_num_accepted_tokens / self.spec_num_drafts
+                                            if self.spec_num_drafts else 0.0)
         return d

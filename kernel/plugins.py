@@ -24,7 +24,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.plugins.models",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
-    "specloop.proposers.ngram",
+    "specloop.plugins.spec_metrics",
+    "specloop.proposers.plugin",
     "specloop.server.routes",
 )
 

@@ -17,7 +17,6 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specloop.kernel.config import EngineConfig
-from specloop.kernel.hookspecs import hookimpl
 
 from .base import DraftProposal, Proposer, ProposerInputs, draft_limits
 
@@ -56,8 +55,3 @@ class NgramProposer(Proposer):
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
         return DraftProposal([find_ngram_continuation(t, self.min_n, self.max_n, int(k)).tolist()
                               for t, k in zip(inputs.token_ids, limits)])
-
-
-@hookimpl
-def specloop_register_proposers(register) -> None:
-    register("ngram", NgramProposer)

@@ -1,0 +1,160 @@
+"""Draft-model proposer: a smaller model with the target's tokenizer drafts K tokens per step.
+
+The draft model keeps its own paged KV cache, indexed by the *target's* block table: position
+``p`` of a request lives at the same slot in both caches, so the scheduler's block allocation
+(including the lookahead slots it reserves for drafts) covers the draft model too, and a finished or
+preempted request's draft KV goes away with its blocks.
+
+Rollback follows the target. After proposing ``k`` drafts for a request of ``L`` tokens, the draft
+cache holds positions ``< L + k - 1`` (the last draft is never fed back). When the target then
+accepts ``a`` drafts, the request has ``L' = L + a + 1`` tokens and the draft KV stays valid below
+``min(L + k - 1, L' - 1)``: accepted drafts were fed exactly as they were committed, the first
+rejected one was not. The next proposal feeds everything from there (the newest tokens, or a whole
+prompt after admission), then one token per further draft. Rejected slots are simply overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from specloop.backends import sampler as sampling
+from specloop.backends.attention import AttentionMetadata, ForwardContext
+from specloop.kernel.config import EngineConfig
+
+from .base import DraftProposal, Proposer, ProposerInputs, draft_limits
+from .rejection import exponential_race, position_key
+
+# Draft noise must be independent of the target's (same seed and position), or the recovery
+# sample after a rejection would be correlated with the rejected draft.
+_DRAFT_SEED_SALT = 0x5DEECE66D
+
+
+class DraftModelProposer(Proposer):
+    """``speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``;
+    ``draft_dtype`` overrides the target's dtype for the draft."""
+
+    has_kv_cache = True
+    returns_draft_probs = True
+
+    def __init__(self, config: EngineConfig, runner: Any) -> None:
+        super().__init__(config, runner)
+        from specloop.plugins.models.loader import load_model
+
+        spec = config.speculative_config
+        self.device = runner.device
+        self.model, self.model_config = load_model(spec.model, runner.plugins.models, self.device,
+                                                   spec.draft_dtype or runner.dtype)
+        if self.model_config.vocab_size != runner.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.model_config.vocab_size}) differs from the "
+                             f"target's ({runner.vocab_size}); it must share the target's tokenizer")
+        self.dtype = next(self.model.parameters()).dtype
+        self.attn_backend = runner.attn_backend
+        self.block_size = runner.block_size
+        self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        self.kv_caches: list[torch.Tensor] = []
+        # Per request: positions whose draft KV was written by the last proposal (an upper bound on
+        # what is still valid; see the module docstring).
+        self.num_written: dict[str, int] = {}
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.model_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        mc = self.model_config
+        shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.num_written.pop(rid, None)
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
+        drafts: list[list[int]] = [[] for _ in inputs.req_ids]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
+        active = [i for i in range(inputs.num_reqs) if limits[i] > 0]
+        if not active:
+            return DraftProposal(drafts, [None] * inputs.num_reqs)
+        lengths = {i: len(inputs.token_ids[i]) for i in active}
+        # Step 0 feeds every token whose draft KV is missing, up to the newest one.
+        feed = {}
+        for i in active:
+            rid = inputs.req_ids[i]
+            valid = min(self.num_written.get(rid, 0), lengths[i] - 1)
+            feed[i] = (valid, inputs.token_ids[i][valid:].tolist())
+        for step in range(int(limits.max())):
+            live = [i for i in active if limits[i] > step]
+            last_hidden = self._forward(inputs, live, feed)
+            logits = self._logits(last_hidden)
+            tokens, q = self._sample(inputs, live, logits, drafts)
+            for k, i in enumerate(live):
+                drafts[i].append(tokens[k])
+                probs[i].append(q[k])
+                position = lengths[i] + step
+                feed[i] = (position, [tokens[k]])
+        for i in active:
+            self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
+        return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]
+                 ) -> torch.Tensor:
+        """Run the draft model over each live request's ``feed`` (first position, token ids);
+        returns the hidden state of each request's last fed token."""
+        bs = self.block_size
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        max_blocks = max(len(inputs.block_ids[i]) for i in live)
+        block_tables = torch.zeros(len(live), max_blocks, dtype=torch.int32)
+        for k, i in enumerate(live):
+            start, tokens = feed[i]
+            blocks = inputs.block_ids[i]
+            end = start + len(tokens)
+            if end > len(blocks) * bs:
+                raise RuntimeError(f"draft position {end - 1} of request {inputs.req_ids[i]!r} is past its "
+                                   f"{len(blocks)} KV blocks")
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(end)
+            block_tables[k, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            max_query_len=max(qsl[k + 1] - qsl[k] for k in range(len(live))),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        with torch.inference_mode():
+            hidden, _ = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                                   torch.tensor(positions, dtype=torch.int64, device=dev),
+                                   ForwardContext(self.attn_backend, meta, self.kv_caches))
+        return hidden[torch.tensor(qsl[1:], device=dev) - 1]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden).float()
+
+    def _sample(self, inputs: ProposerInputs, live: list[int], logits: torch.Tensor, drafts: list[list[int]]
+                ) -> tuple[list[int], torch.Tensor]:
+        """Each live request's next draft, drawn with the target's sampling processing (the drafts
+        before it count as output), and the distribution it was drawn from (one-hot for greedy)."""
+        rows = []
+        for i in live:
+            params = inputs.sampling_params[i]
+            tokens = inputs.token_ids[i]
+            num_prompt = int(inputs.num_prompt_tokens[i])
+            stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            rows.append(sampling.SamplingRow(params, int(inputs.seeds[i]) ^ _DRAFT_SEED_SALT,
+                                             len(tokens) + len(drafts[i]), tokens[:num_prompt].tolist(),
+                                             tokens[num_prompt:].tolist() + drafts[i], stop_ids))
+        meta = sampling.SamplingMetadata.build(rows, logits.shape[1], logits.device)
+        q = sampling.probabilities(sampling.process_logits(logits, meta), meta)
+        tokens = q.argmax(dim=-1)
+        if not meta.all_greedy:
+            drawn = exponential_race(q, position_key(meta.seeds, meta.positions))
+            tokens = torch.where(meta.greedy, tokens, drawn)
+        return tokens.tolist(), q

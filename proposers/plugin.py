@@ -1,0 +1,12 @@
+"""Registers the built-in proposers. Factories are "module:attr" strings, so listing plugins
+imports neither numpy-heavy nor torch-heavy proposer code."""
+
+from __future__ import annotations
+
+from specloop.kernel.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def specloop_register_proposers(register: Register) -> None:
+    register("ngram", "specloop.proposers.ngram:NgramProposer")
+    register("draft_model", "specloop.proposers.draft_model:DraftModelProposer")
