@@ -50,6 +50,7 @@ class DecodeGraphs:
             if 1 in q_lens else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits: dict[tuple[int, int], int] = {}
+        self.num_replays = 0
 
     def capture(self) -> None:
         pool = None
@@ -114,5 +115,6 @@ class DecodeGraphs:
     def replay(self, key: tuple[int, int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the graph; returns views of the hidden states and (q = 1) logits of the live rows."""
         self.graphs[key].replay()
+        self.num_replays += 1
         logits = self.logits[:num_tokens] if key[0] == 1 and self.logits is not None else None
         return self.hidden[:num_tokens], logits

@@ -1,0 +1,116 @@
+"""Decode speed against the physical limit (BENCHMARKS.md §2), and decode throughput vs batch size.
+
+For each shape: requests of a 32-token random prompt and 256 greedy output tokens (``ignore_eos``)
+through ``LLM.generate``, at batch 1 and at each ``--batch-sizes`` entry. tok/s = output tokens /
+wall time (the 32-token prefill is included; it is under 1% of the work). The roofline at batch b
+is ``b * bandwidth / (weight bytes + b * mean context * KV bytes per token)``, at the copy
+bandwidth measured in this run. Plot: tok/s vs batch size, with the roofline.
+
+    python benchmarks/decode_latency.py --shapes qwen3-0.6b,llama3-8b --out out/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (ModelCost, base_args, build_checkpoint, environment, measure_bandwidth, plot,  # noqa: E402
+                    report, save)
+
+
+def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    from specloop import LLM, SamplingParams
+    from specloop.plugins.models.config import read_model_config
+
+    device = torch.device(args.device)
+    path = build_checkpoint(shape, args.ckpt_root, device)
+    vocab = read_model_config(path).vocab_size
+    sizes = sorted({1, *args.batch_sizes})
+    t0 = time.perf_counter()
+    llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
+              max_num_seqs=max(sizes), gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner)
+    init_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([rng.integers(0, vocab, args.prompt_len).tolist()], params, use_tqdm=False)  # warm-up
+    cost = ModelCost.of(shape)
+    mean_ctx = args.prompt_len + (args.output_len - 1) / 2
+    rows = []
+    for b in sizes:
+        prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(b)]
+        times = []
+        for _ in range(args.repeat if b == 1 else 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+        elapsed = float(np.median(times))
+        tok_s = b * args.output_len / elapsed
+        roof = b * bandwidth / (cost.weight_bytes + b * mean_ctx * cost.kv_bytes_per_token)
+        rows.append({"batch": b, "tok_s": tok_s, "ms_per_step": 1e3 * elapsed / args.output_len,
+                     "roofline_tok_s": roof, "pct_of_roofline": 100 * tok_s / roof, "runs_s": times})
+        report(f"{shape} batch {b}", rows[-1])
+    runner = llm.engine_core.runner
+    graphs = getattr(runner, "graphs", None)
+    result = {"shape": shape, "init_s": init_s, "runner": type(runner).__name__,
+              "graph_replays": graphs.num_replays if graphs is not None else 0,
+              "bytes_per_token_batch1": cost.weight_bytes + mean_ctx * cost.kv_bytes_per_token, "rows": rows}
+    llm.engine_core.shutdown()
+    del llm
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama3-8b")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 256])
+    parser.add_argument("--repeat", type=int, default=3, help="runs at batch 1 (median)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--runner", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    env = environment(device)
+    report("decode latency: configuration", {**env, **vars(args)})
+    bandwidth = measure_bandwidth(device)
+    report("device ceilings (measured now)", {"copy bandwidth TB/s": bandwidth / 1e12})
+    results: dict[str, Any] = {"benchmark": "decode_latency", "env": env, "config": vars(args),
+                               "bandwidth_Bps": bandwidth, "shapes": {}}
+    from tqdm import tqdm
+
+    for shape in tqdm(args.shapes.split(","), desc="shapes"):
+        results["shapes"][shape] = run_shape(shape, args, bandwidth)
+        save(args.out, "decode_latency", results)
+    series = {}
+    for shape, r in results["shapes"].items():
+        xs = [row["batch"] for row in r["rows"]]
+        series[f"{shape} specloop"] = (xs, [row["tok_s"] for row in r["rows"]])
+        series[f"{shape} roofline"] = (xs, [row["roofline_tok_s"] for row in r["rows"]])
+    plot(args.out, "decode_latency", series, "batch size", "output tok/s",
+         f"decode, {args.prompt_len}+{args.output_len} tokens, {env.get('gpu', env['device'])}, {env['commit']}")
+    summary = {}
+    for shape, r in results["shapes"].items():
+        one = r["rows"][0]
+        summary[f"{shape} batch-1 tok/s"] = one["tok_s"]
+        summary[f"{shape} batch-1 % of roofline"] = one["pct_of_roofline"]
+    report("decode latency: summary", summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Where one decode step's time goes, so the next optimisation targets the biggest slice.
+
+With ``--batch-sizes`` requests decoding (128-token prompts, long outputs), each measured step is
+driven by hand through the same calls ``EngineCore.step`` makes, synchronising the device between
+phases so each phase is charged its own time:
+
+* ``schedule``: ``scheduler.schedule()`` (host);
+* ``update_states``: the runner applies the plan to its resident state (host);
+* ``prepare_host``: packing the step into the pinned buffer and enqueueing its copy and kernels;
+* ``h2d_prepare``: the wait until that copy and the ``prepare_inputs`` kernel finish (device);
+* ``forward``: CUDA-graph replay or eager forward, timed by CUDA events (device kernels);
+* ``sample_d2h``: sampling kernel, token write-back, D2H copy and the host sync;
+* ``update_from_output``: the scheduler's commit (host).
+
+The synchronisations make the sum a little larger than an unsynchronised step; the plain step time
+(``EngineCore.step`` without them) is reported too. Plot: each phase's share vs batch size.
+
+    python benchmarks/step_breakdown.py --batch-sizes 1,16,64,256 --out out/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import base_args, build_checkpoint, environment, plot, report, save  # noqa: E402
+
+PHASES = ("schedule", "update_states", "prepare_host", "h2d_prepare", "forward", "sample_d2h", "update_from_output")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(core: Any, device: torch.device) -> dict[str, float]:
+    """One engine step split into phases (the calls of ``EngineCore.step`` and
+    ``GpuModelRunner.execute_model`` / ``sample_tokens``)."""
+    from specloop.backends.torch_runner import ExecutedStep
+
+    runner = core.runner
+    t: dict[str, float] = {}
+    c0 = time.perf_counter()
+    plan = core.scheduler.schedule()
+    c1 = time.perf_counter()
+    runner.update_states(plan)
+    runner._graph_logits = None
+    c2 = time.perf_counter()
+    key = runner.graphs.lookup(plan) if runner.graphs is not None else None
+    batch = runner.batch_state.prepare(plan, runner.requests, pad_to=key[1] if key else None,
+                                       num_splits=runner.graphs.splits[key] if key else 0)
+    c3 = time.perf_counter()
+    sync(device)
+    c4 = time.perf_counter()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    if key is not None:
+        hidden, runner._graph_logits = runner.graphs.replay(key, batch.num_tokens)
+        aux: list[torch.Tensor] = []
+    else:
+        hidden, aux = runner.forward(batch)
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        t["forward"] = start.elapsed_time(end) / 1e3
+    c5 = time.perf_counter()
+    if device.type != "cuda":
+        t["forward"] = c5 - c4
+    runner.executed = ExecutedStep(plan, batch, hidden, aux)
+    result = runner.sample_tokens()
+    c6 = time.perf_counter()
+    core.scheduler.update_from_output(plan, result)
+    core.post_step()
+    c7 = time.perf_counter()
+    t.update(schedule=c1 - c0, update_states=c2 - c1, prepare_host=c3 - c2, h2d_prepare=c4 - c3,
+             sample_d2h=c6 - c5, update_from_output=c7 - c6, graph=float(key is not None))
+    return t
+
+
+def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    from specloop.kernel.request import Request
+    from specloop.kernel.sampling_params import SamplingParams
+
+    core = llm.engine_core
+    device = core.runner.device
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + 2 * args.steps + 8, ignore_eos=True)
+    ids = [f"bd{batch}-{i}" for i in range(batch)]
+    core.add_requests([Request(rid, rng.integers(0, vocab, args.prompt_len).tolist(), params) for rid in ids])
+    for _ in range(args.warm_steps):  # prefill and settle into uniform decode
+        core.step()
+        core.post_step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        core.step()
+        core.post_step()
+    sync(device)
+    plain = (time.perf_counter() - t0) / args.steps
+    phases = [timed_step(core, device) for _ in range(args.steps)]
+    core.abort_requests(ids)
+    while core.has_unfinished_requests():
+        core.step()
+    med = {p: float(np.median([s[p] for s in phases])) for p in PHASES}
+    total = sum(med.values())
+    return {"batch": batch, "step_s": plain, "tok_s": batch / plain, "phases_s": med, "phases_sum_s": total,
+            "graph_fraction": float(np.mean([s["graph"] for s in phases])),
+            "share": {p: med[p] / total for p in PHASES}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--warm-steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    env = environment(device)
+    report("step breakdown: configuration", {**env, **vars(args)})
+
+    from tqdm import tqdm
+
+    from specloop import LLM
+    from specloop.plugins.models.config import read_model_config
+
+    path = build_checkpoint(args.shape, args.ckpt_root, device)
+    vocab = read_model_config(path).vocab_size
+    llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
+              max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
+              model_runner="gpu")
+    rows = []
+    for b in tqdm(args.batch_sizes, desc="batch sizes"):
+        rows.append(run_batch(llm, b, args, vocab))
+        report(f"batch {b}", {"step ms (unsynchronised)": 1e3 * rows[-1]["step_s"], "tok/s": rows[-1]["tok_s"],
+                              "graph replays (fraction)": rows[-1]["graph_fraction"],
+                              **{f"{p} ms": 1e3 * v for p, v in rows[-1]["phases_s"].items()}})
+    llm.engine_core.shutdown()
+    save(args.out, "step_breakdown", {"benchmark": "step_breakdown", "env": env, "config": vars(args), "rows": rows})
+    xs = [r["batch"] for r in rows]
+    plot(args.out, "step_breakdown", {p: (xs, [1e3 * r["phases_s"][p] for r in rows]) for p in PHASES},
+         "batch size", "ms per decode step", f"{args.shape} decode step phases, {env.get('gpu', env['device'])}, "
+         f"{env['commit']}")
+
+
+if __name__ == "__main__":
+    main()
