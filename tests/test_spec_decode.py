@@ -1,0 +1,254 @@
+"""Speculative decoding end to end on tiny random checkpoints (the torch runner).
+
+The oracle: greedy output with speculation is token-identical to greedy output without it, for the
+n-gram proposer at K = 1..5 and for a draft model, under chunked prefill, prefix caching and forced
+preemption; a draft model identical to the target accepts (nearly) everything; stops that fall
+inside an accepted run cut tokens, text and logprobs exactly where decoding without drafts does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+
+import hf_models
+import pytest
+import torch
+from tokenizer_helpers import build_tokenizer
+
+from specloop import LLM, AsyncEngine, SamplingParams
+from specloop.cli import build_parser, engine_kwargs
+from specloop.kernel.config import EngineConfig
+from specloop.plugins.spec_metrics import SpecDecodeStats, get_spec_metrics
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# Chunked prefill (budget 16 tokens a step), prefix caching, and a KV pool small enough that the
+# batch cannot all fit: requests get preempted and recomputed.
+STRESSED = dict(max_model_len=96, block_size=4, num_kv_blocks=30, max_num_batched_tokens=16,
+                enable_prefix_caching=True, enable_chunked_prefill=True)
+ROOMY = dict(max_model_len=256, block_size=8, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def target() -> hf_models.TinyModel:
+    return hf_models.tiny("qwen3")
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A smaller Qwen3 (one layer, half the width) with the target's vocabulary."""
+    import transformers
+
+    config = transformers.Qwen3Config(**{**hf_models.COMMON, "hidden_size": 32, "intermediate_size": 64,
+                                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1}, head_dim=16)
+    torch.manual_seed(7)
+    path = str(tmp_path_factory.mktemp("draft"))
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 3]}, f)
+    return path
+
+
+def prompt_set() -> list[list[int]]:
+    """Random prompts, repetitive ones (where n-gram lookup hits), and prompts sharing prefixes."""
+    base = hf_models.prompts(8, seed=11, min_len=3, max_len=30)
+    repetitive = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, [40, 41] * 10 + [42]]
+    shared = [base[0] + [100, 101, 102] * 4, base[0] + [7] * 5, base[1][:2] * 9]
+    return base + repetitive + shared
+
+
+def run(model_path: str, prompts: list[list[int]], params: SamplingParams, spec: dict | None = None,
+        **engine: object) -> tuple[list, LLM]:
+    llm = LLM(model_path, skip_tokenizer_init=True, speculative_config=spec, **{**ROOMY, **engine})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outs, llm
+
+
+@pytest.fixture(scope="module")
+def reference(target: hf_models.TinyModel) -> list[list[int]]:
+    outs, _ = run(target.path, prompt_set(), GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_ngram_greedy_is_identical(target, reference, k: int) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, llm = run(target.path, prompt_set(), GREEDY, spec, **STRESSED)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hits"] > 0
+    assert metrics["spec_num_draft_tokens"] > 0 and metrics["spec_num_accepted_tokens"] > 0
+    # Per-request counters add up to the engine's.
+    assert sum(o.metrics.spec_num_draft_tokens for o in outs) == metrics["spec_num_draft_tokens"]
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outs) == metrics["spec_num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_draft_model_greedy_is_identical(target, small_draft, reference, k: int) -> None:
+    spec = {"method": "draft_model", "model": small_draft, "num_speculative_tokens": k}
+    outs, llm = run(target.path, prompt_set(), GREEDY, spec, **STRESSED)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    metrics = llm.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["spec_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_model_equal_to_target_accepts_everything(target, temperature: float) -> None:
+    k = 3
+    spec = {"method": "draft_model", "model": target.path, "num_speculative_tokens": k}
+    params = SamplingParams(max_tokens=100, temperature=temperature, seed=5, ignore_eos=True)
+    _, llm = run(target.path, prompt_set()[:6], params, spec)
+    m = llm.get_metrics()
+    assert m["spec_acceptance_rate"] >= 0.98
+    assert m["spec_mean_acceptance_length"] >= 0.98 * (k + 1)
+    stats = get_spec_metrics(llm.engine_core)
+    assert stats is not None and stats.total.num_draft_tokens == m["spec_num_draft_tokens"]
+    assert stats.total.per_position_acceptance[0] >= 0.98
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(target, small_draft) -> None:
+    spec = {"method": "draft_model", "model": small_draft, "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=50, seed=123, ignore_eos=True)
+    first, _ = run(target.path, prompt_set()[:5], params, spec)
+    # A different batch (one prompt alone) and other engine settings: same tokens for a seeded request.
+    again, _ = run(target.path, prompt_set()[2:3], params, spec, **STRESSED)
+    assert again[0].outputs[0].token_ids == first[2].outputs[0].token_ids
+    unseeded, _ = run(target.path, prompt_set()[:5], SamplingParams(max_tokens=16, temperature=0.9,
+                                                                    ignore_eos=True), spec)
+    assert [o.outputs[0].token_ids for o in unseeded] != [o.outputs[0].token_ids for o in first]
+
+
+def test_penalties_count_earlier_drafts(target, reference) -> None:
+    """Repetition/frequency/presence penalties, logit bias and min_tokens see each earlier draft of
+    a verification as generated output, exactly as plain decoding sees earlier tokens."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.8,
+                            presence_penalty=0.3, logit_bias={7: 3.0, 50: -2.0}, min_tokens=10)
+    prompts = prompt_set()
+    plain, _ = run(target.path, prompts, params)
+    spec = {"method": "draft_model", "model": target.path, "num_speculative_tokens": 4}
+    fast, llm = run(target.path, prompts, params, spec)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in plain] != [r[:20] for r in reference]  # the penalties bite
+    assert llm.get_metrics()["spec_acceptance_rate"] > 0.9
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=hf_models.VOCAB)
+
+
+def test_stops_inside_accepted_runs(target, tok_dir) -> None:
+    """Draft == target, so whole runs are accepted; every stop must still cut exactly where plain
+    decoding cuts: tokens, text, logprobs, finish and stop reasons."""
+    prompts = hf_models.prompts(24, seed=21, min_len=4, max_len=12)
+
+    def generate(params: list[SamplingParams], spec: dict | None) -> list:
+        llm = LLM(target.path, tokenizer=tok_dir, speculative_config=spec, **ROOMY)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    probe = generate([SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * len(prompts), None)
+    params = []
+    for i, out in enumerate(probe):
+        tokens, text = out.outputs[0].token_ids, out.outputs[0].text
+        kind = i % 4
+        if kind == 0:  # a stop token id in the middle of the run
+            params.append(SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[tokens[9]], logprobs=2,
+                                         ignore_eos=True))
+        elif kind == 1:  # a stop string in the middle of the text
+            params.append(SamplingParams(max_tokens=30, temperature=0.0, stop=[text[len(text) // 2:][:3]],
+                                         logprobs=1, ignore_eos=True))
+        elif kind == 2:  # max_tokens not at a verification boundary
+            params.append(SamplingParams(max_tokens=7 + i % 3, temperature=0.0, logprobs=0, ignore_eos=True))
+        else:  # EOS ids (the model's are 2 and 3, forced into the run through a logit bias)
+            params.append(SamplingParams(max_tokens=30, temperature=0.0, logit_bias={2: 4.0}, logprobs=1))
+    plain = generate(params, None)
+    spec = {"method": "draft_model", "model": target.path, "num_speculative_tokens": 4}
+    fast = generate(params, spec)
+    reasons = set()
+    for i, (a, b) in enumerate(zip(plain, fast)):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (x.token_ids, x.text, x.finish_reason,
+                                                                          x.stop_reason), i
+        assert len(y.logprobs) == len(x.logprobs) == len(x.token_ids)
+        for pa, pb in zip(x.logprobs, y.logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+        assert b.metrics.spec_num_accepted_tokens <= b.metrics.spec_num_draft_tokens
+        reasons.add((i % 4, x.finish_reason))
+    # Every kind of stop really happened, and stops fell past the first verification (prefill's
+    # token + 4 drafts + 1), i.e. inside runs the draft model proposed.
+    assert {(0, "stop"), (1, "stop"), (2, "length"), (3, "stop")} <= reasons
+    for kind in (0, 1, 3):
+        assert any(len(o.outputs[0].token_ids) > 6 and o.outputs[0].finish_reason == "stop"
+                   for i, o in enumerate(plain) if i % 4 == kind), kind
+
+
+async def test_async_engine_with_speculative_config(target, reference) -> None:
+    engine = AsyncEngine.from_engine_args(target.path, skip_tokenizer_init=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}, **ROOMY)
+    try:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            last = None
+            async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY, f"r{i}"):
+                last = out
+            return last.outputs[0].token_ids
+
+        got = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_set())))
+        assert list(got) == reference
+        assert engine.get_metrics()["spec_num_draft_tokens"] > 0
+    finally:
+        await engine.shutdown()
+
+
+def test_cli_speculative_config_reaches_the_engine_config() -> None:
+    for command in (["generate", "hi"], ["serve"]):
+        args = build_parser().parse_args([*command, "--speculative-config",
+                                          '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 5}'])
+        config = EngineConfig(**engine_kwargs(args))
+        spec = config.speculative_config
+        assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 2, 5)
+        assert config.num_lookahead_tokens == 2
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "medusa2", "num_speculative_tokens": 2}, "registered: draft_model, ngram"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ("{not json", "not valid JSON"),
+])
+def test_invalid_speculative_configs_are_clear_errors(target, spec, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(target.path, skip_tokenizer_init=True, speculative_config=spec, **ROOMY)
+
+
+def test_draft_model_must_share_the_vocabulary(target, tmp_path) -> None:
+    import transformers
+
+    config = transformers.Qwen3Config(**{**hf_models.COMMON, "vocab_size": 300, "num_hidden_layers": 1})
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(target.path, skip_tokenizer_init=True, **ROOMY,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_metrics_plugin_logs_acceptance(target, caplog: pytest.LogCaptureFixture) -> None:
+    spec = {"method": "draft_model", "model": target.path, "num_speculative_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="specloop.spec_decode"):
+        _, llm = run(target.path, prompt_set()[:3], SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True), spec,
+                     plugin_options={"spec_metrics": {"log_interval_s": 0.0}})
+    lines = [r.getMessage() for r in caplog.records if r.name == "specloop.spec_decode"]
+    assert lines and all(line.startswith("Speculative decoding: mean acceptance length 3.00, "
+                                         "acceptance rate 100.0%") for line in lines)
+    stats = SpecDecodeStats()
+    stats.add(4, 12, 9, [4, 3, 2])
+    assert stats.mean_acceptance_length == pytest.approx(1 + 9 / 4)
+    assert stats.per_position_acceptance == [1.0, 0.75, 0.5]
+    assert "acceptance rate 75.0% (9/12 draft tokens, 4 drafts)" in stats.format()
+    # No plugin instance for an engine without speculation.
+    _, plain = run(target.path, prompt_set()[:1], GREEDY)
+    assert get_spec_metrics(plain.engine_core) is None
