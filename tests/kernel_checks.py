@@ -215,6 +215,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.activation as activation
     import specloop.kernels.kv_write as kv_write_mod
     import specloop.kernels.paged_attention as attention
+    import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.rms_norm as rms_norm_mod
     import specloop.kernels.rotary as rotary
     import specloop.kernels.sampling as sampling
@@ -232,7 +233,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
-    modules = (activation, kv_write_mod, attention, rms_norm_mod, rotary, sampling)
+    modules = (activation, kv_write_mod, attention, prepare, rms_norm_mod, rotary, sampling)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -249,6 +250,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             x = torch.randn(4, 1024, dtype=dtype)
             rms_norm_mod.rms_norm(x, x[0], 1e-6, residual=x.clone())
             rms_norm_mod.rms_norm(x, x[0], 1e-6)
+            heads = x.view(4, 8, 128)
+            rms_norm_mod.rms_norm(heads, x[0, :128], 1e-6, out=heads)
+            i32 = torch.zeros(4, dtype=torch.int32)
+            prepare.prepare_inputs(torch.zeros(4, 64, dtype=torch.int32), torch.zeros(4, 4, dtype=torch.int32), i32,
+                                   i32, torch.zeros(5, dtype=torch.int32), 16, *torch.zeros(3, 64, dtype=torch.int64))
             qkv = torch.randn(4, 32 * 128, dtype=dtype)
             cos, sin = rope_tables(64, 128, 1e6)
             rotary.rotary_embedding(qkv[:, :2048].view(4, 16, 128), qkv[:, 2048:3072].view(4, 8, 128),
