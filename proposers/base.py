@@ -53,8 +53,9 @@ class ProposerInputs:
     # drafts). Filled only for proposers with ``needs_hidden_states``.
     query_start_loc: np.ndarray | None = None  # [B + 1]
     positions: np.ndarray | None = None  # [num_step_tokens] position of each hidden-state row
-    hidden_states: torch.Tensor | None = None  # [num_step_tokens, H] final-layer (pre-norm) states
-    aux_hidden_states: tuple[torch.Tensor, ...] = ()  # one [num_step_tokens, H] per hidden_state_layers
+    hidden_states: torch.Tensor | None = None  # [num_step_tokens, H] final states (after the final norm)
+    # One [num_step_tokens, H] per hidden_state_layers: the residual stream entering that layer.
+    aux_hidden_states: tuple[torch.Tensor, ...] = ()
     # Row of ``hidden_states`` whose logits produced each request's newest token.
     sampled_rows: np.ndarray | None = None  # [B]
     plan: SchedulerOutput | None = None

@@ -1,0 +1,180 @@
+"""Speculative decoding (BENCHMARKS.md §4): acceptance and speedup over no speculation, same run.
+
+For each batch size, the same prompts are generated greedily (``ignore_eos``, fixed output length)
+without speculation and then with each proposer and each K. Reported per configuration:
+
+* acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts
+  (tokens committed per verification); per-position acceptance = share of drafts whose i-th token
+  was accepted;
+* speedup = wall time without speculation / with it (prefill included);
+* efficiency = speedup / ideal, ideal = mean acceptance length * t_step(no spec) / t_step(spec),
+  t_step being wall time per engine step (drafting included);
+* whether the tokens equal the run without speculation (they must, for greedy decoding).
+
+Prompts: ``heldout`` takes windows of the standard-library modules held out from the default model's
+training (``tools/train_default_models.py``), tokenized with the model's tokenizer; ``random``
+draws token ids uniformly. The model defaults to the shipped ``specloop-tiny`` and the draft to
+``specloop-tiny-draft`` (else the target itself, an upper bound on acceptance).
+
+    python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
+    python benchmarks/spec_decode.py --model out/checkpoints/tiny --prompts random --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, base_args, build_checkpoint, environment, report, save  # noqa: E402
+
+
+def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` windows of ``length`` tokens from held-out standard-library modules."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from train_default_models import is_heldout, stdlib_dir
+
+    root = stdlib_dir()
+    files = sorted(p for p in root.rglob("*.py") if is_heldout(str(p.relative_to(root))))
+    rng = np.random.default_rng(seed)
+    prompts: list[list[int]] = []
+    for i in rng.permutation(len(files)):
+        ids = tokenizer.encode(files[i].read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
+        if len(ids) > length:
+            start = int(rng.integers(0, len(ids) - length))
+            prompts.append(ids[start:start + length])
+        if len(prompts) == n:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} held-out modules have {length} tokens")
+
+
+def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    n = max(args.batch_sizes)
+    if args.prompts == "random":
+        rng = np.random.default_rng(args.seed)
+        return [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(n)]
+    from specloop.frontend.tokenizer import Tokenizer
+
+    return heldout_prompts(Tokenizer(args.model), n, args.prompt_len, args.seed)
+
+
+def timed_run(args: argparse.Namespace, prompts: list[list[int]], spec: dict[str, Any] | None) -> dict[str, Any]:
+    from specloop import LLM, SamplingParams
+
+    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
+              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=len(prompts),
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = llm.get_metrics()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(requests, params, use_tqdm=False)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    after = llm.get_metrics()
+    del llm
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    def delta(key: str) -> int:
+        return after[key] - before[key]
+
+    per_pos_before = before["spec_num_accepted_tokens_per_pos"]
+    per_pos = [n - (per_pos_before[i] if i < len(per_pos_before) else 0)
+               for i, n in enumerate(after["spec_num_accepted_tokens_per_pos"])]
+    drafts, drafted, accepted = delta("spec_num_drafts"), delta("spec_num_draft_tokens"), delta("spec_num_accepted_tokens")
+    return {"seconds": seconds, "steps": delta("num_steps"), "tokens": [o.outputs[0].token_ids for o in outs],
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "drafts": drafts,
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "per_position_acceptance": [n / drafts for n in per_pos] if drafts else []}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--model", default=os.path.join(ROOT, "default_models", "specloop-tiny"),
+                        help="target model directory, or a benchmarks/common.py shape name (random weights)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft model directory (default: specloop-tiny-draft next to the target, else the target)")
+    parser.add_argument("--methods", default="ngram,draft_model")
+    parser.add_argument("--ks", default="1,2,3,5")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--prompts", choices=("heldout", "random"), default="heldout")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = parser.parse_args()
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.methods = args.methods.split(",")
+    device = torch.device(args.device)
+    from common import SHAPES
+
+    if args.model in SHAPES:
+        args.model = build_checkpoint(args.model, args.ckpt_root, device)
+    if not os.path.isdir(args.model):
+        raise SystemExit(f"no model at {args.model}; pass --model DIR or a shape ({', '.join(SHAPES)})")
+    if args.draft_model is None:
+        sibling = args.model.rstrip("/") + "-draft"
+        args.draft_model = sibling if os.path.isdir(sibling) else args.model
+    from specloop.plugins.models.config import read_model_config
+
+    prompts = make_prompts(args, read_model_config(args.model).vocab_size)
+    config = dict(vars(args))
+    report("configuration", {**environment(device), **{k: str(v) for k, v in config.items()}})
+
+    results: list[dict[str, Any]] = []
+    for b in args.batch_sizes:
+        batch = prompts[:b]
+        base = timed_run(args, batch, None)
+        report(f"batch {b}: no speculation", {"seconds": base["seconds"], "steps": base["steps"],
+                                             "output tok/s": base["output_tokens"] / base["seconds"]})
+        for method in args.methods:
+            for k in args.ks:
+                spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+                if method == "ngram":
+                    spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+                elif method == "draft_model":
+                    spec["model"] = args.draft_model
+                run = timed_run(args, batch, spec)
+                speedup = base["seconds"] / run["seconds"]
+                ideal = run["mean_acceptance_length"] * (base["seconds"] / base["steps"]) / (run["seconds"] / run["steps"])
+                row = {"batch": b, "method": method, "k": k, "speedup": speedup, "ideal_speedup": ideal,
+                       "efficiency": speedup / ideal, "identical": run["tokens"] == base["tokens"],
+                       **{key: v for key, v in run.items() if key != "tokens"}}
+                results.append(row)
+                report(f"batch {b}: {method} K={k}", {
+                    "acceptance rate": row["acceptance_rate"], "mean acceptance length": row["mean_acceptance_length"],
+                    "per-position acceptance": ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]),
+                    "speedup": speedup, "ideal speedup": ideal, "efficiency": row["efficiency"],
+                    "steps": row["steps"], "identical to no speculation": row["identical"]})
+    print("\n| batch | method | K | acceptance | mean acc. len | per-position | speedup | ideal | efficiency | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+        print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | "
+              f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+              f"{r['efficiency']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+    path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results})
+    print(f"\nsaved {path}")
+
+
+if __name__ == "__main__":
+    main()
