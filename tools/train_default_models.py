@@ -224,17 +224,34 @@ class MTPLayer(nn.Module):
         return self.shared_head["norm"](hidden)
 
 
+def dense_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every routed expert on every token, weighted by the router (zero for experts it did not pick):
+    the per-expert loop's sum without its host synchronisations, and cheap while experts are tiny."""
+    weights = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype,
+                          device=hidden_states.device).scatter(1, top_k_index, top_k_weights)
+    gate, up = torch.einsum("th,eoh->teo", hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+    out = torch.einsum("tei,ehi->teh", self.act_fn(gate) * up, self.down_proj)
+    return torch.einsum("teh,te->th", out, weights.to(out.dtype)).to(hidden_states.dtype)
+
+
 class DeepseekV3WithMTP(nn.Module):
     """The Hugging Face DeepSeek-V3 model and its MTP layer, trained together as in DeepSeek-V3."""
 
     def __init__(self, config) -> None:
+        import types
+
         from transformers import DeepseekV3ForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
         super().__init__()
         self.lm = DeepseekV3ForCausalLM(config)
         self.mtp = MTPLayer(config)
         for module in self.mtp.modules():
             self.lm._init_weights(module)
+        for module in self.modules():
+            if isinstance(module, DeepseekV3Experts):
+                module.forward = types.MethodType(dense_experts_forward, module)
 
 
 
@@ -410,6 +427,7 @@ class Recipe:
     config: Callable[[nn.Module], object]
     lr: float
     batch_size: int
+    steps: int | None = None  # None: as many as fit the time budget
     after_step: Callable[[nn.Module], Callable[[nn.Module], None] | None] = lambda m: None
     weight_decay: float = 0.1
     warmup_steps: int = 200
@@ -426,11 +444,11 @@ def _qwen3(config_fn: Callable[[], object]) -> Callable[[], nn.Module]:
 
 RECIPES: dict[str, Recipe] = {
     "specloop-tiny": Recipe("specloop-tiny", _qwen3(target_config), causal_lm_loss, qwen3_state_dict,
-                            lambda m: m.config, lr=2e-3, batch_size=64),
+                            lambda m: m.config, lr=2e-3, batch_size=64, steps=1100),
     "specloop-tiny-draft": Recipe("specloop-tiny-draft", _qwen3(draft_config), causal_lm_loss, qwen3_state_dict,
-                                  lambda m: m.config, lr=3e-3, batch_size=64),
+                                  lambda m: m.config, lr=3e-3, batch_size=64, steps=6109),
     "specloop-tiny-mtp": Recipe("specloop-tiny-mtp", lambda: DeepseekV3WithMTP(mtp_config()), mtp_lm_loss,
-                                deepseek_state_dict, lambda m: m.lm.config, lr=2e-3, batch_size=64,
+                                deepseek_state_dict, lambda m: m.lm.config, lr=2e-3, batch_size=64, steps=959,
                                 after_step=ExpertBalancer),
 }
 
@@ -492,10 +510,11 @@ def lr_at(step: int, total: int, recipe: Recipe) -> float:
 
 
 def train_one(recipe: Recipe, data: Path, out: Path, *, device: torch.device, seed: int, steps: int | None,
-              budget_s: float, seq_len: int, batch_size: int | None, eval_every: int, eval_windows: int,
+              budget_s: float, max_seconds: float, seq_len: int, batch_size: int | None, eval_every: int, eval_windows: int,
               final_windows: int | None) -> None:
     """Train one recipe for ``steps`` steps, or for as many as fit ``budget_s`` seconds as measured
-    over steps 20-60 (the chosen count is logged, so ``--steps`` reproduces the run)."""
+    over steps 20-60 (the chosen count is logged, so ``--steps`` reproduces the run); stop early,
+    and log it, past ``max_seconds``."""
     t0 = time.time()
     torch.manual_seed(seed)
     module = recipe.build().to(device)
@@ -549,8 +568,8 @@ def train_one(recipe: Recipe, data: Path, out: Path, *, device: torch.device, se
                 # Periodic evals and the final full eval take roughly a tenth of the budget.
                 total = 60 + int((budget_s * 0.9 - (time.time() - t_start)) / per_step)
                 record({"calibrated_steps": total, "seconds_per_step": per_step})
-        if steps is None and time.time() - t_start > budget_s * 1.1:
-            # The calibration was too optimistic (e.g. the GPU got busier): stop rather than overrun.
+        if time.time() - t_start > max_seconds:
+            # A slower machine or a busier GPU than planned: stop rather than overrun the lease.
             record({"stopped_at": step, "of": total})
             total = step
         if step % eval_every == 0 or step == total:
@@ -591,16 +610,21 @@ def plot_curves(log_dir: Path, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for path in sorted(log_dir.glob("*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines()]
+        shipped = next((r["summary"]["shipped_step"] for r in rows if "summary" in r), None)
         rows = [r for r in rows if "step" in r and r["step"] > 0]
         steps = [r["tokens"] / 1e6 for r in rows]
         line, = ax.plot(steps, [r["train_loss"] for r in rows], label=f"{path.stem} train", alpha=0.6)
-        ax.plot(steps, [r["eval_loss"] for r in rows], "--", color=line.get_color(), label=f"{path.stem} held-out")
+        ax.plot(steps, [r["eval_loss"] for r in rows], "--", color=line.get_color(),
+                label=f"{path.stem} held-out probe")
+        ax.plot([r["tokens"] / 1e6 for r in rows if r["step"] == shipped],
+                [r["eval_loss"] for r in rows if r["step"] == shipped], "o", color=line.get_color())
         if "eval_mtp_loss" in rows[0]:
             ax.plot(steps, [r["eval_mtp_loss"] for r in rows], ":", color=line.get_color(),
-                    label=f"{path.stem} MTP (t+2) held-out")
+                    label=f"{path.stem} MTP (t+2) held-out probe")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_ylim(0.5, 4.5)
+    ax.set_title("dots: the shipped checkpoint (lowest held-out probe loss)", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -613,6 +637,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         # Tiny models leave most of the GPU idle between kernel launches; one process per model fills it.
         base = [sys.executable, __file__, "train", "--data", str(args.data), "--out", str(args.out),
                 "--budget-s", str(args.budget_s), "--seed", str(args.seed)]
+        if args.max_seconds is not None:
+            base += ["--max-seconds", str(args.max_seconds)]
         if args.steps is not None:
             base += ["--steps", str(args.steps)]
         if args.smoke:
@@ -626,9 +652,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         for name in names:
             smoke = dict(seq_len=64, batch_size=2, eval_every=2, eval_windows=2, final_windows=4) if args.smoke else \
                 dict(seq_len=SEQ_LEN, batch_size=None, eval_every=100, eval_windows=48, final_windows=None)
-            train_one(RECIPES[name], args.data, args.out, device=device, seed=args.seed,
-                      steps=args.steps if args.steps is not None else (4 if args.smoke else None),
-                      budget_s=args.budget_s, **smoke)
+            steps = args.steps if args.steps is not None else 4 if args.smoke else RECIPES[name].steps
+            max_seconds = args.max_seconds if args.max_seconds is not None else args.budget_s * 1.1
+            train_one(RECIPES[name], args.data, args.out, device=device, seed=args.seed, steps=steps,
+                      budget_s=args.budget_s, max_seconds=max_seconds, **smoke)
     if args.plot:
         plot_curves(args.out / "logs", args.out / "default_models_loss.png")
 
@@ -685,8 +712,11 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--data", type=Path, default=REPO / ".train")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(RECIPES)}")
-    t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --budget-s)")
-    t.add_argument("--budget-s", type=float, default=300.0)
+    t.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps for every recipe (default: the recipe's, else as many as fit --budget-s)")
+    t.add_argument("--budget-s", type=float, default=300.0, help="seconds of training for a recipe without steps")
+    t.add_argument("--max-seconds", type=float, default=None,
+                   help="stop any recipe after this many seconds of training (default: 1.1 x --budget-s)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--parallel", action="store_true", help="one process per recipe")
     t.add_argument("--smoke", action="store_true", help="a few tiny steps (CPU check of the whole path)")
