@@ -21,6 +21,10 @@ from tokenizer_helpers import build_tokenizer
 from specloop import LLM, AsyncEngine, SamplingParams
 from specloop.cli import build_parser, engine_kwargs
 from specloop.kernel.config import EngineConfig
+from specloop.kernel.hookspecs import hookimpl
+from specloop.kernel.plugins import PluginManager
+from specloop.proposers.base import DraftProposal, ProposerInputs
+from specloop.proposers.draft_model import DraftModelProposer
 from specloop.plugins.spec_metrics import SpecDecodeStats, get_spec_metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -37,7 +41,7 @@ def target() -> hf_models.TinyModel:
 
 
 @pytest.fixture(scope="module")
-def small_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
+def small_draft_hf(tmp_path_factory: pytest.TempPathFactory) -> hf_models.TinyModel:
     """A smaller Qwen3 (one layer, half the width) with the target's vocabulary."""
     import transformers
 
@@ -46,10 +50,16 @@ def small_draft(tmp_path_factory: pytest.TempPathFactory) -> str:
                                          "num_key_value_heads": 1}, head_dim=16)
     torch.manual_seed(7)
     path = str(tmp_path_factory.mktemp("draft"))
-    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    model.save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, 3]}, f)
-    return path
+    return hf_models.TinyModel("draft", path, model)
+
+
+@pytest.fixture(scope="module")
+def small_draft(small_draft_hf: hf_models.TinyModel) -> str:
+    return small_draft_hf.path
 
 
 def prompt_set() -> list[list[int]]:
@@ -93,6 +103,43 @@ def test_draft_model_greedy_is_identical(target, small_draft, reference, k: int)
     assert [o.outputs[0].token_ids for o in outs] == reference
     metrics = llm.get_metrics()
     assert metrics["num_preemptions"] > 0 and metrics["spec_num_draft_tokens"] > 0
+
+
+def test_draft_model_cache_follows_rollbacks(target, small_draft_hf, reference) -> None:
+    """Every greedy proposal equals transformers' greedy continuation of the draft model from the
+    whole verified sequence: the draft's paged KV, rolled back after each rejection and rebuilt
+    after each preemption, never serves a stale position."""
+    checked: list[int] = []
+
+    def hf_greedy(tokens: list[int], k: int) -> list[int]:
+        ids = list(tokens)
+        with torch.no_grad():
+            for _ in range(k):
+                ids.append(int(small_draft_hf.hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(tokens):]
+
+    class CheckedDraftModel(DraftModelProposer):
+        def propose(self, inputs: ProposerInputs) -> DraftProposal:
+            proposal = super().propose(inputs)
+            for tokens, drafts in zip(inputs.token_ids, proposal.draft_token_ids):
+                if drafts:
+                    assert drafts == hf_greedy(tokens.tolist(), len(drafts))
+                    checked.append(len(drafts))
+            return proposal
+
+    class Plugin:
+        @hookimpl
+        def specloop_register_proposers(self, register) -> None:
+            register("checked_draft", CheckedDraftModel)
+
+    spec = {"method": "checked_draft", "model": small_draft_hf.path, "num_speculative_tokens": 3}
+    llm = LLM(target.path, skip_tokenizer_init=True, speculative_config=spec,
+              plugins=PluginManager([Plugin()], load_entrypoints=False), **{**ROOMY, **STRESSED})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_set()], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    metrics = llm.get_metrics()
+    rejected = metrics["spec_num_draft_tokens"] - metrics["spec_num_accepted_tokens"]
+    assert len(checked) > 50 and rejected > 50 and metrics["num_preemptions"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
