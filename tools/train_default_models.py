@@ -51,6 +51,16 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Beginnings of functions from held-out modules (source in the comment), and two of our own.
+SAMPLE_PROMPTS = (
+    "def guess_scheme(environ):\n"  # wsgiref/util.py
+    "    \"\"\"Return a guess for whether 'wsgi.url_scheme' should be 'http' or 'https'\n    \"\"\"",
+    "def literal_eval(node_or_string):",  # ast.py
+    "def format_string(f, val, grouping=False, monetary=False):",  # locale.py
+    "def dumps(value, *, fmt=FMT_XML, skipkeys=False, sort_keys=True):",  # plistlib.py
+    "def fibonacci(n):",
+    "class Stack:",
+)
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "default_models"
 
@@ -160,7 +170,7 @@ def target_config():
                        num_attention_heads=5, num_key_value_heads=1, head_dim=64,
                        max_position_embeddings=SEQ_LEN, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-                       pad_token_id=None, dtype="bfloat16")
+                       pad_token_id=None, dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
 
 
 def draft_config():
@@ -170,7 +180,7 @@ def draft_config():
                        num_attention_heads=3, num_key_value_heads=1, head_dim=64,
                        max_position_embeddings=SEQ_LEN, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-                       pad_token_id=None, dtype="bfloat16")
+                       pad_token_id=None, dtype="bfloat16", architectures=["Qwen3ForCausalLM"])
 
 
 def mtp_config():
@@ -187,7 +197,7 @@ def mtp_config():
         qk_rope_head_dim=16, v_head_dim=32, max_position_embeddings=SEQ_LEN,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_interleave=True,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-        pad_token_id=None, num_nextn_predict_layers=1, dtype="bfloat16",
+        pad_token_id=None, num_nextn_predict_layers=1, dtype="bfloat16", architectures=["DeepseekV3ForCausalLM"],
         # The per-expert loop is the one implementation that runs the same on CPU and GPU under autocast.
         experts_implementation="eager",
     )
@@ -725,7 +735,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--data", type=Path, default=REPO / ".train")
     r.add_argument("--windows", type=int, default=None, help="cap on held-out windows of 1024 tokens")
     r.add_argument("--max-new-tokens", type=int, default=64)
-    r.add_argument("--prompts", nargs="*", default=["def fibonacci(n):\n"])
+    r.add_argument("--prompts", nargs="*", default=list(SAMPLE_PROMPTS))
     r.add_argument("--output", type=Path, default=REPO / ".train" / "report.json")
     args = parser.parse_args(argv)
     if args.command == "prepare":
