@@ -13,7 +13,8 @@ phases so each phase is charged its own time:
 * ``update_from_output``: the scheduler's commit (host).
 
 The synchronisations make the sum a little larger than an unsynchronised step; the plain step time
-(``EngineCore.step`` without them) is reported too. Plot: each phase's share vs batch size.
+(``EngineCore.step`` without them) is reported too, and a profile of the GPU kernels of a few plain
+steps (CUDA-graph replays included). Plot: each phase's time vs batch size.
 
     python benchmarks/step_breakdown.py --batch-sizes 1,16,64,256 --out out/bench
 """
@@ -85,6 +86,24 @@ def timed_step(core: Any, device: torch.device) -> dict[str, float]:
     return t
 
 
+def kernel_profile(core: Any, steps: int) -> list[dict[str, Any]]:
+    """GPU kernels of ``steps`` plain engine steps (graph replays included), by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+            core.post_step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": us / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:15]
+
+
 def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     from specloop.kernel.request import Request
     from specloop.kernel.sampling_params import SamplingParams
@@ -106,13 +125,14 @@ def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dic
     sync(device)
     plain = (time.perf_counter() - t0) / args.steps
     phases = [timed_step(core, device) for _ in range(args.steps)]
+    kernels = kernel_profile(core, 5) if device.type == "cuda" else []
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
     med = {p: float(np.median([s[p] for s in phases])) for p in PHASES}
     total = sum(med.values())
     return {"batch": batch, "step_s": plain, "tok_s": batch / plain, "phases_s": med, "phases_sum_s": total,
-            "graph_fraction": float(np.mean([s["graph"] for s in phases])),
+            "graph_fraction": float(np.mean([s["graph"] for s in phases])), "kernels": kernels,
             "share": {p: med[p] / total for p in PHASES}}
 
 
@@ -142,9 +162,13 @@ def main() -> None:
     rows = []
     for b in tqdm(args.batch_sizes, desc="batch sizes"):
         rows.append(run_batch(llm, b, args, vocab))
+        save(args.out, "step_breakdown", {"benchmark": "step_breakdown", "env": env, "config": vars(args),
+                                          "rows": rows})
         report(f"batch {b}", {"step ms (unsynchronised)": 1e3 * rows[-1]["step_s"], "tok/s": rows[-1]["tok_s"],
                               "graph replays (fraction)": rows[-1]["graph_fraction"],
                               **{f"{p} ms": 1e3 * v for p, v in rows[-1]["phases_s"].items()}})
+        report(f"batch {b}: top kernels (us per step, calls per step)",
+               {k["kernel"]: f"{k['us_per_step']:.1f} us  x{k['calls_per_step']:.0f}" for k in rows[-1]["kernels"]})
     llm.engine_core.shutdown()
     save(args.out, "step_breakdown", {"benchmark": "step_breakdown", "env": env, "config": vars(args), "rows": rows})
     xs = [r["batch"] for r in rows]

@@ -10,7 +10,9 @@ The grid is ``(q_blocks, kv_heads, splits)``. A program owns ``BLOCK_Q`` query t
 sequence times all ``G = Hq / Hkv`` query heads that share one KV head (GQA), so each KV tile is read
 once for the whole group. Sequence ``s`` owns q-blocks starting at ``qsl[s] // BLOCK_Q + s``; this
 over-counts by at most one block per sequence, which lets the grid be sized from host-known totals
-(``num_tokens // BLOCK_Q + num_seqs``) and stay fixed under CUDA graphs; spare programs exit.
+(``num_tokens // BLOCK_Q + num_seqs``) and stay fixed under CUDA graphs; spare programs exit. A
+decode batch (every sequence one new token) uses ``BLOCK_Q = 1``: program ``s`` is sequence ``s``,
+with no search (sequences with no new token, e.g. CUDA-graph padding, exit).
 With ``splits > 1`` (flash-decoding) each program covers one slice of the KV range and writes a
 partial result that :func:`_reduce_splits_kernel` merges; this keeps the chip busy when few
 sequences decode over long contexts.
@@ -55,18 +57,23 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
 
-    seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
+    if BLOCK_Q == 1:
+        # Decode: one program per sequence, no search (BLOCK_M pads the group up to a dot tile).
+        seq = pid_q
+        q_block = 0
+    else:
+        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    if BLOCK_Q != 1:
+        q_block = pid_q - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -76,7 +83,7 @@ def _paged_attention_kernel(
     q_idx = q_block * BLOCK_Q + rows // GROUP_PAD  # index among this sequence's new tokens
     head_in_group = rows % GROUP_PAD
     q_head = kv_head * GROUP + head_in_group
-    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    row_ok = (rows // GROUP_PAD < BLOCK_Q) & (q_idx < q_len) & (head_in_group < GROUP)
     q_pos = context_len + q_idx
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -217,9 +224,11 @@ def paged_attention(
     # float32 (for exactness tests) spills registers at 128 rows, so it stops at 64.
     rows = 128 if max_query_len * group_pad >= 128 and q.dtype != torch.float32 else (
         64 if max_query_len * group_pad >= 64 else 16)
-    block_q = max(1, rows // group_pad)
+    # Decode batches (one new token each) map programs to sequences directly.
+    block_q = 1 if max_query_len == 1 else max(1, rows // group_pad)
+    rows = max(rows, block_q * group_pad)
     block_n = 64
-    num_q_blocks = num_tokens // block_q + num_seqs
+    num_q_blocks = num_seqs if block_q == 1 else num_tokens // block_q + num_seqs
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
                                device=q.device)
@@ -237,7 +246,7 @@ def paged_attention(
         block_table.stride(0),
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
-        BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if rows >= 128 else 4, num_stages=2,
     )

@@ -12,6 +12,7 @@ import torch
 from specloop.kernels.activation import silu_and_mul
 from specloop.kernels.kv_write import kv_write
 from specloop.kernels.paged_attention import paged_attention
+from specloop.kernels.qk_rope_cache import qk_rope_cache
 from specloop.kernels.rms_norm import rms_norm
 from specloop.kernels.rotary import rotary_embedding
 from specloop.kernels.sampling import gumbel_sample
@@ -154,12 +155,46 @@ def check_rotary(device: str, dtype: torch.dtype) -> None:
     q = qkv[:, : nq * d].view(tokens, nq, d)
     k = qkv[:, nq * d: (nq + nkv) * d].view(tokens, nkv, d)
     positions = torch.tensor([0, 1, 7, 63, 20, 3], device=device)
-    want_q = reference_rotary(q.clone(), positions.cpu(), cos, sin)
-    want_k = reference_rotary(k.clone(), positions.cpu(), cos, sin)
+    want_q = reference_rotary(q.cpu(), positions.cpu(), cos, sin)
+    want_k = reference_rotary(k.cpu(), positions.cpu(), cos, sin)
     v_before = qkv[:, (nq + nkv) * d:].clone()
     rotary_embedding(q, k, positions, cos.to(device), sin.to(device))
     assert rel_err(q, want_q) < TOL[dtype] / 10 and rel_err(k, want_k) < TOL[dtype] / 10, "rotary differs"
     assert torch.equal(qkv[:, (nq + nkv) * d:], v_before), "rotary touched the value heads"
+
+
+def check_qk_rope_cache(device: str, dtype: torch.dtype) -> None:
+    """The fused q/k norm + rotary + KV write against the reference norm, rotary and slot scatter."""
+    tokens, nq, nkv, d, num_blocks, page = 6, 4, 2, 32, 5, 4
+    cos, sin = rope_tables(64, d, 10000.0)
+    positions = torch.tensor([0, 1, 7, 63, 20, 3])
+    slots = torch.tensor([5, 0, 17, -1, 9, 2])
+    for with_norm in (True, False):
+        qkv = torch.randn(tokens, (nq + 2 * nkv) * d, dtype=dtype)
+        qw, kw = torch.randn(d, dtype=dtype), torch.randn(d, dtype=dtype)
+        k_cache = torch.randn(num_blocks, page, nkv, d, dtype=dtype)
+        v_cache = torch.randn(num_blocks, page, nkv, d, dtype=dtype)
+        q = qkv[:, : nq * d].view(tokens, nq, d)
+        k = qkv[:, nq * d: (nq + nkv) * d].view(tokens, nkv, d)
+        v = qkv[:, (nq + nkv) * d:].view(tokens, nkv, d)
+        if with_norm:
+            q, k = reference_rms_norm(q, qw, 1e-6), reference_rms_norm(k, kw, 1e-6)
+        want_q, want_k = reference_rotary(q, positions, cos, sin), reference_rotary(k, positions, cos, sin)
+        want_kc, want_vc = k_cache.clone(), v_cache.clone()
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                want_kc.view(-1, nkv, d)[s] = want_k[t]
+                want_vc.view(-1, nkv, d)[s] = v[t]
+        to = lambda t: t.to(device)  # noqa: E731
+        qkv_d, kc_d, vc_d = to(qkv), to(k_cache), to(v_cache)
+        got_q = qk_rope_cache(qkv_d, nq, nkv, to(positions), to(cos), to(sin), kc_d, vc_d, to(slots),
+                              to(qw) if with_norm else None, to(kw) if with_norm else None, eps=1e-6)
+        tol = TOL[dtype]
+        assert rel_err(got_q, want_q) < tol, f"q differs (norm={with_norm}): {rel_err(got_q, want_q):.2e}"
+        assert rel_err(kc_d, want_kc) < tol and rel_err(vc_d, want_vc) < tol, f"cache differs (norm={with_norm})"
+        untouched = [b for b in range(num_blocks * page) if b not in slots.tolist()]
+        assert torch.equal(kc_d.view(-1, nkv, d)[untouched].cpu(), k_cache.view(-1, nkv, d)[untouched]), \
+            "wrote a slot it was not given"
 
 
 def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
@@ -216,6 +251,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.kv_write as kv_write_mod
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
+    import specloop.kernels.qk_rope_cache as qk_rope
     import specloop.kernels.rms_norm as rms_norm_mod
     import specloop.kernels.rotary as rotary
     import specloop.kernels.sampling as sampling
@@ -233,7 +269,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
-    modules = (activation, kv_write_mod, attention, prepare, rms_norm_mod, rotary, sampling)
+    modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -260,6 +296,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             rotary.rotary_embedding(qkv[:, :2048].view(4, 16, 128), qkv[:, 2048:3072].view(4, 8, 128),
                                     torch.arange(4), cos, sin)
             activation.silu_and_mul(torch.randn(4, 6144, dtype=dtype))
+            for w in (x[0, :128], None):
+                qk_rope.qk_rope_cache(qkv, 16, 8, torch.arange(4), cos, sin, kc, vc, torch.arange(4), w, w)
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))
@@ -305,6 +343,7 @@ ALL_CHECKS = {
     "kv_write": check_kv_write,
     "rms_norm": check_rms_norm,
     "rotary": check_rotary,
+    "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
 }
 

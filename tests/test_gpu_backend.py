@@ -1,7 +1,8 @@
 """The GPU backend on a CUDA device: every kernel against its torch reference in bf16 and float32
 at model shapes, and end-to-end greedy outputs of the ``"gpu"`` runner (Triton kernels, CUDA
 graphs) equal to the ``"torch"`` runner's on the same GPU, through chunked prefill, prefix-cache
-hits and preemption. Skipped without CUDA."""
+hits and preemption (in bf16: equal up to a first difference that must be a near-tie, see
+``runner_checks``). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ LARGE_ATTENTION_CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "silu_and_mul"])
+@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
+                                   "silu_and_mul"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
 
@@ -50,14 +52,15 @@ def test_gpu_runner_matches_torch_runner(variant: str, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     """Through the whole engine: 24 prompts, a shared prefix (prefix-cache hits), a small token
-    budget (chunked prefill) and a KV cache too small for all of them (preemption)."""
+    budget (chunked prefill) and a KV cache too small for all of them (preemption). Equal in
+    float32; in bf16 equal up to a near-tie (see ``runner_checks``)."""
     from specloop import LLM, SamplingParams
 
     model = tiny("qwen3")
     shared = prompts(1, seed=7, min_len=24, max_len=24)[0]
     batch = [shared + p if i % 3 == 0 else p for i, p in enumerate(prompts(24, seed=8, min_len=5, max_len=60))]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    outputs = {}
+    outputs: dict[str, list[list[int]]] = {}
     for runner in ("torch", "gpu"):
         llm = LLM(model.path, model_runner=runner, device="cuda", dtype=dtype, skip_tokenizer_init=True,
                   block_size=4, num_kv_blocks=160, max_num_seqs=16, max_num_batched_tokens=64)
@@ -66,5 +69,6 @@ def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
         llm.engine_core.shutdown()
         del llm
         torch.cuda.empty_cache()
-    assert outputs["gpu"] == outputs["torch"]
+    for i, (prompt, got, want) in enumerate(zip(batch, outputs["gpu"], outputs["torch"])):
+        rc.assert_same_or_near_tie(model.path, "cuda", dtype, prompt + list(got), prompt + list(want), f"prompt {i}")
     assert stats["num_preemptions"] > 0, "the KV cache was meant to be too small for every request"

@@ -33,7 +33,8 @@ def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str 
     assert (expect or f"ok {args[0]}") in proc.stdout
 
 
-@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "silu_and_mul"])
+@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
+                                   "silu_and_mul"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")
 

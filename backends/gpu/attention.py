@@ -44,6 +44,10 @@ class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over a cache that already holds this step's K/V (written by a fused kernel)."""
         return paged_attention(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale=scale, max_query_len=meta.max_query_len,
-                               num_splits=self.num_splits(meta, k.shape[1]))
+                               num_splits=self.num_splits(meta, kv_cache.shape[3]))

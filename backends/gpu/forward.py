@@ -6,7 +6,9 @@ fewer passes over memory:
 * the residual add is fused into the following RMSNorm (``residual += x; h = norm(residual)``),
   so the stream is carried as ``(x, residual)`` and summed only where a layer's input is needed
   whole (the final norm, and the ``aux_layers`` EAGLE-3 reads);
-* Qwen3's per-head q/k norms and the rotary embedding run in place on the fused qkv projection;
+* Qwen3's per-head q/k norms, the rotary embedding and the KV write are one kernel on the fused qkv
+  projection (``kernels/qk_rope_cache.py``) when the attention backend is ``triton``; with another
+  backend they run as separate in-place kernels and the backend writes the KV;
 * SiLU-and-mul is one kernel. The projections stay cuBLAS matmuls (``nn.Linear``).
 """
 
@@ -19,7 +21,9 @@ import torch
 from torch import nn
 
 from specloop.backends.attention import ForwardContext
+from specloop.backends.gpu.attention import TritonAttentionBackend
 from specloop.kernels.activation import silu_and_mul
+from specloop.kernels.qk_rope_cache import qk_rope_cache
 from specloop.kernels.rms_norm import rms_norm
 from specloop.kernels.rotary import rotary_embedding
 
@@ -75,6 +79,15 @@ def _attention(attn: nn.Module, h: torch.Tensor, positions: torch.Tensor, ctx: F
                rope: RopeTables) -> torch.Tensor:
     qkv = attn.qkv_proj(h)
     tokens = qkv.shape[0]
+    if isinstance(ctx.backend, TritonAttentionBackend):
+        # q/k norms, rotary and the KV write in one kernel; attention then reads the cache.
+        kv_cache = ctx.kv_caches[attn.layer_idx]
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        q = qk_rope_cache(qkv, attn.num_heads, attn.num_kv_heads, positions, rope.cos, rope.sin, kv_cache[0],
+                          kv_cache[1], ctx.metadata.slot_mapping, *norms,
+                          eps=attn.q_norm.eps if attn.q_norm is not None else 0.0)
+        out = ctx.backend.attend(q, kv_cache, ctx.metadata, attn.scale)
+        return attn.o_proj(out.view(tokens, attn.q_size))
     q = qkv[:, :attn.q_size].view(tokens, attn.num_heads, attn.head_dim)
     k = qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(tokens, attn.num_kv_heads, attn.head_dim)
     v = qkv[:, attn.q_size + attn.kv_size:].view(tokens, attn.num_kv_heads, attn.head_dim)
