@@ -27,6 +27,11 @@ from specloop.kernel.outputs import TokenLogprobs
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.proposers.rejection import exponential_race, position_key
 
+# Valid but extreme parameters (temperature 1e39, repetition_penalty 1e-40) overflow float32; a
+# softmax over +inf is NaN, and a NaN distribution samples token 0 whatever the model says. The
+# steps below keep every logit finite or -inf (masked).
+_F32 = torch.finfo(torch.float32)
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one row. Built by the model runner."""
@@ -64,14 +69,14 @@ class SamplingMetadata:
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
         params = [r.params for r in rows]
-        temps = [0.0 if p.greedy else p.temperature for p in params]
+        temps = [0.0 if p.greedy else min(p.temperature, _F32.max) for p in params]
 
         def column(values: list[float], neutral: float, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
             if all(v == neutral for v in values):
                 return None
             return torch.tensor(values, dtype=dtype, device=device)
 
-        rep = column([p.repetition_penalty for p in params], 1.0)
+        rep = column([max(p.repetition_penalty, _F32.tiny) for p in params], 1.0)
         freq = column([p.frequency_penalty for p in params], 0.0)
         pres = column([p.presence_penalty for p in params], 0.0)
         prompt_mask = output_counts = None
@@ -101,7 +106,7 @@ class SamplingMetadata:
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             greedy=torch.tensor([t == 0.0 for t in temps], dtype=torch.bool, device=device),
             all_greedy=all(t == 0.0 for t in temps),
-            seeds=index([_to_int64(r.seed) for r in rows]),
+            seeds=index([seed_to_int64(r.seed) for r in rows]),
             positions=index([r.position for r in rows]),
             top_k=column([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], vocab_size,
                          torch.int64),
@@ -116,7 +121,8 @@ class SamplingMetadata:
         )
 
 
-def _to_int64(seed: int) -> int:
+def seed_to_int64(seed: int) -> int:
+    """Any Python int as the int64 whose bits are its low 64 bits (what the noise hash reads)."""
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
@@ -151,7 +157,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = logits - meta.frequency_penalty[:, None] * counts
     if meta.presence_penalty is not None:
         logits = logits - meta.presence_penalty[:, None] * (counts > 0).float()
-    return logits
+    return logits.clamp(max=_F32.max)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -162,7 +168,7 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 def apply_temperature(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     # Greedy rows keep their logits (temperature 1) so that probabilities stay finite.
     temp = torch.where(meta.greedy, torch.ones_like(meta.temperature), meta.temperature)
-    return logits / temp[:, None]
+    return (logits / temp[:, None]).clamp(max=_F32.max)
 
 
 def apply_min_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

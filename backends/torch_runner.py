@@ -193,7 +193,9 @@ class TorchModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_ids=tuple(new.eos_token_ids),
-                seed=params.seed if params.seed is not None else self._derived_seed(new.req_id),
+                # Any int a client sends (or the derived one) fits int64 tensors from here on.
+                seed=sampling.seed_to_int64(params.seed if params.seed is not None
+                                            else self._derived_seed(new.req_id)),
             )
         for cached in plan.scheduled_running_reqs:
             state = self.requests[cached.req_id]
