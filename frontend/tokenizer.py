@@ -211,8 +211,8 @@ class Tokenizer:
         try:
             rendered = _compile(template).render(messages=messages, tools=tools, documents=documents,
                                                  add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed to render: {e}") from None
+        except Exception as e:  # a template can fail any way Python can (1/0, "a" + 1, a missing key)
+            raise ChatTemplateError(f"chat template failed to render: {type(e).__name__}: {e}") from None
         if continue_final_message:
             rendered = self._cut_after_final_message(rendered, messages)
         return rendered

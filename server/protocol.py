@@ -276,6 +276,20 @@ def _message(i: int, m: Any) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
+# Arguments of ``apply_chat_template`` itself: a client must not swap the server's template (it runs
+# on the server) or pass what the request's own fields already say.
+_RESERVED_TEMPLATE_KWARGS = ("chat_template", "tools", "documents", "messages", "add_generation_prompt",
+                             "continue_final_message")
+
+
+def _chat_template_kwargs(f: Fields) -> dict[str, Any]:
+    kwargs = f.object("chat_template_kwargs") or {}
+    reserved = sorted(k for k in kwargs if k in _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(reserved)}.", param="chat_template_kwargs")
+    return kwargs
+
+
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     f = Fields(body)
     stream, include_usage = _stream_flags(f)
@@ -298,7 +312,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
                        sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
                        logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
                        user=f.str("user"), priority=f.int("priority", 0),
-                       chat_template_kwargs=f.object("chat_template_kwargs") or {})
+                       chat_template_kwargs=_chat_template_kwargs(f))
 
 
 # --- responses -------------------------------------------------------------------------------
