@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompts", type=int, default=None, help="most prompts per completions request (default 64)")
     serve.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longest prompt in tokens (default: max_model_len - 1)")
+    serve.add_argument("--max-stop-strings", type=int, default=None,
+                       help="most different stop strings per request (default 64)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and stream it to the terminal")

@@ -116,11 +116,21 @@ class IncrementalDetokenizer:
         if not self.stop or self.include_stop:
             return 0
         text, held = self.output_text, 0
+        if not text:
+            return 0
+        last = text[-1]
         for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
+            k = min(len(stop) - 1, len(text))
+            while k > held:
+                # A prefix of the stop string that ends the text ends with the text's last character:
+                # jump to the next such prefix (in C) instead of trying every length.
+                k = stop.rfind(last, 0, k) + 1
+                if k <= held:
+                    break
                 if text.endswith(stop[:k]):
                     held = k
                     break
+                k -= 1
         return held
 
     def finish(self) -> None:

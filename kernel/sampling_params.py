@@ -54,6 +54,9 @@ class SamplingParams:
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(f"logit_bias must map token ids to floats: {e}") from None
         self._verify()
+        # Duplicates change nothing but cost a check for every token generated.
+        self.stop = list(dict.fromkeys(self.stop))
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
 
     def _verify(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:

@@ -43,9 +43,11 @@ class ServerLimits:
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    # Every stop string is looked for after every token, on the event loop all requests share.
+    max_stop_strings: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_prompts"):
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_stop_strings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -85,6 +87,11 @@ class ServerState:
     def check_n(self, n: int) -> None:
         if n > self.limits.max_n:
             raise BadRequest(f"'n' must be at most {self.limits.max_n} on this server, got {n}.", param="n")
+
+    def check_stop(self, stop: list[str]) -> None:
+        if len(set(stop)) > self.limits.max_stop_strings:
+            raise BadRequest(f"'stop' may hold at most {self.limits.max_stop_strings} different strings on this "
+                             f"server, got {len(set(stop))}.", param="stop")
 
     def require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:

@@ -71,6 +71,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         max_n=getattr(args, "max_n", None) or defaults.max_n,
         max_prompts=getattr(args, "max_prompts", None) or defaults.max_prompts,
         max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+        max_stop_strings=getattr(args, "max_stop_strings", None) or defaults.max_stop_strings,
     )
 
 

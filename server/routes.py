@@ -59,6 +59,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     req = protocol.parse_completion_request(await _json_body(state, request))
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
+    state.check_stop(req.sampling["stop"])
     if len(req.prompts) > state.limits.max_prompts:
         raise BadRequest(f"'prompt' may hold at most {state.limits.max_prompts} prompts on this server, "
                          f"got {len(req.prompts)}.", param="prompt")
@@ -97,6 +98,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req = protocol.parse_chat_request(await _json_body(state, request))
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
+    state.check_stop(req.sampling["stop"])
     _ready(state)
     ids = _render_chat(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="messages",
