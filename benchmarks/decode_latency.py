@@ -63,6 +63,8 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
     graphs = getattr(runner, "graphs", None)
     result = {"shape": shape, "init_s": init_s, "runner": type(runner).__name__,
               "graph_replays": graphs.num_replays if graphs is not None else 0,
+              "decode_attention_tile": getattr(runner.attn_backend, "decode_config", None),
+              "decode_attention_tuning_us": getattr(runner.attn_backend, "decode_tuning", {}),
               "bytes_per_token_batch1": cost.weight_bytes + mean_ctx * cost.kv_bytes_per_token, "rows": rows}
     llm.engine_core.shutdown()
     del llm

@@ -99,11 +99,14 @@ def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Na
     metrics = llm.get_metrics()
     graphs = getattr(runner, "graphs", None)
     replays = graphs.num_replays if graphs is not None else 0
+    backend = runner.attn_backend
+    tile = {"decode_attention_tile": getattr(backend, "decode_config", None),
+            "decode_attention_tuning_us": getattr(backend, "decode_tuning", {})}
     llm.engine_core.shutdown()  # frees the KV cache and graph pools for the peer
     return {"tok_s": generated / elapsed, "elapsed_s": elapsed, "output_tokens": generated, "init_s": init_s,
             "steps": len(recorder.steps), "decode_steps": len(decode), "runner": type(runner).__name__,
             "num_kv_blocks": llm.config.num_kv_blocks, "preemptions": metrics.get("num_preemptions"),
-            "graph_replays": replays,
+            "graph_replays": replays, **tile,
             "decode_tok_s_by_batch": curve,
             "step_time_total_s": float(sum(t for _, _, t in recorder.steps))}
 

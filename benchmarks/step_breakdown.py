@@ -159,6 +159,8 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
               model_runner="gpu")
+    backend = llm.engine_core.runner.attn_backend
+    report("decode attention tile (timed at start-up, us)", {"chosen": backend.decode_config, **backend.decode_tuning})
     rows = []
     for b in tqdm(args.batch_sizes, desc="batch sizes"):
         rows.append(run_batch(llm, b, args, vocab))

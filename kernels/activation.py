@@ -1,7 +1,7 @@
 """SiLU-and-mul, the gated MLP's activation: ``silu(x[..., :d]) * x[..., d:]``.
 
-Rounding follows ``F.silu(gate) * up`` in the activation dtype: the SiLU result is rounded before
-the product.
+Rounding is written as ``F.silu(gate) * up`` in the activation dtype (the SiLU result rounded before
+the product); the GPU compiler may keep it in float32.
 """
 
 from __future__ import annotations

@@ -187,6 +187,7 @@ def paged_attention(
     max_query_len: int,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    decode_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention for a packed ragged batch.
 
@@ -199,6 +200,8 @@ def paged_attention(
     :param max_query_len: the largest new-token count (host-side; picks the tile shape). Under CUDA
         graphs pass the captured bound, not the live value.
     :param num_splits: KV splits per q-block (a power of two); 1 writes the output directly.
+    :param decode_config: ``(keys per tile, warps, pipeline stages)`` for decode batches
+        (``max_query_len == 1``), e.g. chosen by timing on the device; default ``(64, 4, 2)``.
     :returns: ``out``, ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -227,7 +230,9 @@ def paged_attention(
     # Decode batches (one new token each) map programs to sequences directly.
     block_q = 1 if max_query_len == 1 else max(1, rows // group_pad)
     rows = max(rows, block_q * group_pad)
-    block_n = 64
+    block_n, num_warps, num_stages = 64, 8 if rows >= 128 else 4, 2
+    if block_q == 1 and decode_config is not None:
+        block_n, num_warps, num_stages = decode_config
     num_q_blocks = num_seqs if block_q == 1 else num_tokens // block_q + num_seqs
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
@@ -248,7 +253,7 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if rows >= 128 else 4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         # Every (token, head, split) slot of a real token is written, with l = 0 for empty splits;

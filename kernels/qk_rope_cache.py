@@ -2,9 +2,9 @@
 per-head RMSNorm of q and k (Qwen3), the rotary embedding of q and k, and the KV write into the
 paged cache. Replaces four launches per layer (q norm, k norm, rotary, KV write) with one.
 
-Rounding matches the separate kernels (and Hugging Face): the normalised head is rounded to the
-activation dtype before its weight multiplies it, then rotated with the tables rounded to that
-dtype and each product and the sum rounded. q is rotated in place (attention reads it next); the
+Rounding is written as the separate kernels' (and Hugging Face's): the normalised head rounded to
+the activation dtype before its weight multiplies it, then rotated with the tables rounded to that
+dtype and each product and the sum rounded (the GPU compiler may keep intermediates in float32). q is rotated in place (attention reads it next); the
 rotated k and the untouched v go straight to ``slot_mapping[t]`` of the caches (slot -1: no write).
 """
 

@@ -1,8 +1,9 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
 
-Rounding follows the Hugging Face modules exactly: the residual sum is rounded to the activation
+Rounding is written the Hugging Face modules' way: the residual sum is rounded to the activation
 dtype, the statistics are taken in float32, the normalised row is rounded to the activation dtype
-before the weight multiplies it (as ``weight * hidden.to(input_dtype)`` does).
+before the weight multiplies it (as ``weight * hidden.to(input_dtype)`` does). The GPU compiler may
+keep such intermediates in float32; results then differ from the reference by rounding only.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 and key heads of each token.
 
 ``cos``/``sin`` are float32 tables ``[max_position, head_dim // 2]`` built by the model, so the
-frequencies (including Llama-3's scaled ones) come from one place. Rounding follows Hugging Face's
-``q * cos + rotate_half(q) * sin`` in the activation dtype: the tables are rounded to it, and each
-product and the sum are rounded.
+frequencies (including Llama-3's scaled ones) come from one place. Rounding is written as Hugging
+Face's ``q * cos + rotate_half(q) * sin`` in the activation dtype (tables, products and sum rounded);
+on the GPU the compiler may keep the products in float32 (2e-3 relative in bf16, measured).
 """
 
 from __future__ import annotations

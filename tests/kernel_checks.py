@@ -159,7 +159,9 @@ def check_rotary(device: str, dtype: torch.dtype) -> None:
     want_k = reference_rotary(k.cpu(), positions.cpu(), cos, sin)
     v_before = qkv[:, (nq + nkv) * d:].clone()
     rotary_embedding(q, k, positions, cos.to(device), sin.to(device))
-    assert rel_err(q, want_q) < TOL[dtype] / 10 and rel_err(k, want_k) < TOL[dtype] / 10, "rotary differs"
+    # Within the dtype's tolerance, not bit-exact: on the GPU the compiler may keep the products in
+    # float32 instead of rounding them (2e-3 relative in bf16, measured on the H200).
+    assert rel_err(q, want_q) < TOL[dtype] and rel_err(k, want_k) < TOL[dtype], "rotary differs"
     assert torch.equal(qkv[:, (nq + nkv) * d:], v_before), "rotary touched the value heads"
 
 
@@ -281,6 +283,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                           num_splits=splits)
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           num_splits=splits)
+            from specloop.backends.gpu.attention import TritonAttentionBackend
+
+            for config in TritonAttentionBackend.DECODE_CONFIGS:
+                attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
+                                          decode_config=config)
             k = torch.randn(4, 8, 128, dtype=dtype)
             kv_write_mod.kv_write(k, k, kc, vc, torch.arange(4))
             x = torch.randn(4, 1024, dtype=dtype)
@@ -314,7 +321,7 @@ def check_compiles_for_hopper() -> None:
     from triton.backends.compiler import GPUTarget
 
     launches = hopper_launches()
-    assert len(launches) >= 12, f"only {len(launches)} launches recorded"
+    assert len(launches) >= 16, f"only {len(launches)} launches recorded"
     for fn, args, options in launches:
         signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(fn.arg_names):

@@ -4,6 +4,7 @@ paged-attention launch for the whole batch)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from specloop.backends.attention import AttentionMetadata
 from specloop.kernels.kv_write import kv_write
 from specloop.kernels.paged_attention import choose_num_splits, paged_attention
+
+logger = logging.getLogger("specloop")
 
 
 @dataclass(slots=True)
@@ -28,10 +31,15 @@ class TritonAttentionBackend:
 
     name = "triton"
 
+    # (keys per tile, warps, pipeline stages) tried for decode batches by :meth:`tune_decode`.
+    DECODE_CONFIGS = ((64, 4, 2), (128, 4, 2), (32, 4, 2), (128, 8, 2))
+
     def __init__(self, config: Any = None) -> None:
         self.config = config
         self.num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                         if torch.cuda.is_available() else 132)
+        self.decode_config: tuple[int, int, int] | None = None
+        self.decode_tuning: dict[str, float] = {}  # config -> median microseconds, from tune_decode
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -50,4 +58,44 @@ class TritonAttentionBackend:
         """Attention over a cache that already holds this step's K/V (written by a fused kernel)."""
         return paged_attention(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale=scale, max_query_len=meta.max_query_len,
-                               num_splits=self.num_splits(meta, kv_cache.shape[3]))
+                               num_splits=self.num_splits(meta, kv_cache.shape[3]), decode_config=self.decode_config)
+
+    def tune_decode(self, kv_cache: torch.Tensor, num_q_heads: int, num_seqs: int, context: int) -> None:
+        """Time each of :attr:`DECODE_CONFIGS` on a synthetic decode batch (``num_seqs`` sequences of
+        ``context`` tokens over random blocks of ``kv_cache``; reads only) and keep the fastest.
+        The best tile depends on the chip and the head shape, so it is measured, not assumed."""
+        k_cache = kv_cache[0]
+        num_blocks, page_size, num_kv_heads, head_dim = k_cache.shape
+        pages = min(-(-context // page_size), num_blocks)
+        context = min(context, pages * page_size)
+        num_seqs = max(1, min(num_seqs, num_blocks // pages))
+        device = k_cache.device
+        gen = torch.Generator(device=device).manual_seed(0)
+        table = torch.randperm(num_blocks, device=device, generator=gen)[:num_seqs * pages]
+        table = table.view(num_seqs, pages).to(torch.int32)
+        q = torch.randn(num_seqs, num_q_heads, head_dim, device=device, dtype=k_cache.dtype, generator=gen)
+        qsl = torch.arange(num_seqs + 1, device=device, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, device=device, dtype=torch.int32)
+        timings = {}
+        for config in self.DECODE_CONFIGS:
+            def run() -> None:
+                paged_attention(q, k_cache, kv_cache[1], qsl, seq_lens, table, scale=head_dim ** -0.5,
+                                max_query_len=1, decode_config=config)
+            try:
+                run()
+                torch.cuda.synchronize(device)
+            except Exception as e:  # e.g. a tile the chip lacks shared memory for
+                logger.warning("decode attention tile %s failed: %s", config, e)
+                continue
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            timings[config] = sorted(times)[2]
+        if timings:
+            self.decode_config = min(timings, key=timings.get)
+        self.decode_tuning = {f"block_n={c[0]} warps={c[1]} stages={c[2]}": t for c, t in timings.items()}

@@ -1,7 +1,8 @@
 """The Llama-family forward pass on fused Triton kernels, reading the reference model's weights.
 
-Same math and the same roundings as ``LlamaForCausalLM.forward`` (Llama, Qwen2, Qwen3), with
-fewer passes over memory:
+Same math as ``LlamaForCausalLM.forward`` (Llama, Qwen2, Qwen3), rounded the same way up to what
+the GPU compiler keeps in float32 (equal in float32; in bf16 greedy outputs agree up to near-ties),
+with fewer passes over memory:
 
 * the residual add is fused into the following RMSNorm (``residual += x; h = norm(residual)``),
   so the stream is carried as ``(x, residual)`` and summed only where a layer's input is needed
@@ -31,7 +32,7 @@ from specloop.kernels.rotary import rotary_embedding
 @dataclass(slots=True)
 class RopeTables:
     """cos/sin of every position up to ``max_len``, float32 ``[max_len, head_dim // 2]``, computed
-    with the same float32 ops as ``RotaryEmbedding.forward`` so the rounding matches."""
+    with the same float32 ops as ``RotaryEmbedding.forward``."""
 
     cos: torch.Tensor
     sin: torch.Tensor

@@ -29,6 +29,7 @@ from specloop.kernel.outputs import ModelRunnerOutput, SchedulerOutput, TokenLog
 from specloop.kernels.sampling import gumbel_sample
 
 from . import sampler as gpu_sampler
+from .attention import TritonAttentionBackend
 from .cuda_graphs import DecodeGraphs
 from .forward import RopeTables, fused_forward, supports
 from .input_batch import PersistentBatch
@@ -65,6 +66,11 @@ class GpuModelRunner(TorchModelRunner):
             self.rope = RopeTables.build(self.model.layers[0].self_attn.rotary.inv_freq, max_len, self.device)
         self._host_tokens = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         num_blocks = super().initialize()
+        if self.device.type == "cuda" and isinstance(self.attn_backend, TritonAttentionBackend):
+            mc = self.model_config
+            self.attn_backend.tune_decode(self.kv_caches[0], mc.num_heads, c.max_num_seqs, min(max_len, 1024))
+            logger.info("decode attention tile: %s (%s)", self.attn_backend.decode_config,
+                        self.attn_backend.decode_tuning)
         if self.use_graphs and not self.aux_layers:
             q_lens = [1] + ([c.num_lookahead_tokens + 1] if c.num_lookahead_tokens else [])
             self.graphs = DecodeGraphs(self, q_lens)
