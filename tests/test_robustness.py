@@ -35,7 +35,6 @@ from specloop.frontend.tokenizer import ChatTemplateError, Tokenizer
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.plugins import PluginManager
-from specloop.kernel.request import RequestStatus
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.server.app import build_app
 
@@ -102,13 +101,14 @@ def ledger_violations(core: Any) -> list[str]:
 
 
 class Watcher:
-    """Counts lifecycle events per core request and checks the ledger after every step."""
+    """Counts lifecycle events per core request (by object: ids may be reused once free) and
+    checks the ledger after every step."""
 
     def __init__(self) -> None:
         self.core: Any = None
-        self.added: Counter[str] = Counter()
-        self.finished: Counter[str] = Counter()
-        self.finish_status: dict[str, RequestStatus] = {}
+        self.requests: list[Any] = []  # keeps every request alive, so id() stays unique
+        self.added: Counter[int] = Counter()
+        self.finished: Counter[int] = Counter()
         self.preemptions = 0
         self.draft_tokens = 0
         self.steps = 0
@@ -120,13 +120,12 @@ class Watcher:
 
     @hookimpl
     def specloop_request_added(self, requests: list[Any]) -> None:
-        self.added.update(r.request_id for r in requests)
+        self.requests.extend(requests)
+        self.added.update(map(id, requests))
 
     @hookimpl
     def specloop_request_finished(self, requests: list[Any]) -> None:
-        for r in requests:
-            self.finished[r.request_id] += 1
-            self.finish_status[r.request_id] = r.status
+        self.finished.update(map(id, requests))
 
     @hookimpl
     def specloop_request_preempted(self, requests: list[Any]) -> None:
@@ -171,12 +170,15 @@ class Job:
     rid: str
     prompt: list[int]
     params: SamplingParams
-    fate: str  # "finish", "cancel" (task cancelled), "close" (generator closed), "abort" (engine.abort)
+    # "finish", "cancel" (task cancelled), "close" (generator closed), "abort" (engine.abort) or
+    # "duplicate" (reuses an earlier job's id: refused while that one is live)
+    fate: str
     after: int  # outputs seen (or milliseconds waited, for "cancel") before the fate strikes
     priority: int = 0
     outputs: list[Any] = field(default_factory=list)
     cancelled: bool = False  # its task was cancelled before it ended
-    aborted: bool = False  # engine.abort() was called for it from outside its stream
+    aborted: bool = False  # engine.abort() was called for its id from outside its stream
+    refused: bool = False  # a duplicate id refused with ValueError
 
 
 def random_params(rng: random.Random, vocab: int) -> SamplingParams:
@@ -203,6 +205,8 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["presence_penalty"] = rng.choice([0.0, 0.8])
     if rng.random() < 0.2:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+    if rng.random() < 0.15:
+        kw["prompt_logprobs"] = rng.randint(0, 3)
     if rng.random() < 0.2:
         kw["logit_bias"] = {rng.randrange(vocab): rng.choice([-100.0, 5.0, 100.0])}
     kw["ignore_eos"] = rng.random() < 0.5
@@ -215,9 +219,10 @@ def make_jobs(rng: random.Random, count: int, vocab: int) -> list[Job]:
     for i in range(count):
         head = shared[:rng.choice([0, 4, 8, 12, 24])]
         prompt = head + [rng.randrange(5, vocab) for _ in range(rng.randint(1, 16))]
-        fate = rng.choices(["finish", "cancel", "close", "abort"], weights=[6, 2, 1, 1])[0]
+        fate = rng.choices(["finish", "cancel", "close", "abort", "duplicate"], weights=[6, 2, 1, 1, 1])[0]
         after = rng.randint(0, 80) if fate == "cancel" else rng.randint(1, 6)
-        jobs.append(Job(f"job{i}", prompt, random_params(rng, vocab), fate, after, rng.randint(-2, 2)))
+        rid = jobs[rng.randrange(i)].rid if fate == "duplicate" and i else f"job{i}"
+        jobs.append(Job(rid, prompt, random_params(rng, vocab), fate, after, rng.randint(-2, 2)))
     return jobs
 
 
@@ -246,6 +251,10 @@ async def run_job(engine: AsyncEngine, job: Job) -> None:
                     break
                 if job.fate == "abort":
                     await engine.abort(job.rid)
+    except ValueError as e:
+        if not (job.fate == "duplicate" and "already in use" in str(e) and not job.outputs):
+            raise
+        job.refused = True
     finally:
         await stream.aclose()
 
@@ -294,9 +303,10 @@ async def test_engine_fuzz_with_cancellations_aborts_and_preemption(case: str) -
             if rng.random() < 0.05:
                 await engine.abort("nobody")
             elif rng.random() < 0.05:  # any request started so far, finished or not
-                victim = jobs[rng.randrange(i + 1)]
-                victim.aborted = True
-                await engine.abort(victim.rid)
+                rid = jobs[rng.randrange(i + 1)].rid
+                for other in jobs[:i + 1]:
+                    other.aborted |= other.rid == rid
+                await engine.abort(rid)
             await asyncio.sleep(rng.choice([0, 0, 0.001, 0.005]))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
@@ -310,9 +320,10 @@ async def test_engine_fuzz_with_cancellations_aborts_and_preemption(case: str) -
         assert max(watcher.added.values()) == 1 and max(watcher.finished.values()) == 1
         assert_idle_and_clean(engine)
 
+        assert any(job.refused for job in jobs)
         survivors = []
         for job in jobs:
-            if job.cancelled:
+            if job.cancelled or job.refused:
                 continue
             finished = [o for o in job.outputs if o.finished]
             if job.fate == "close" and len(job.outputs) == job.after and not job.outputs[-1].finished:
@@ -326,6 +337,9 @@ async def test_engine_fuzz_with_cancellations_aborts_and_preemption(case: str) -
                 assert reasons <= {"abort", "stop", "length"}
             else:
                 assert reasons <= {"stop", "length"}, (job.rid, reasons)
+                if job.params.prompt_logprobs is not None:
+                    entries = [e for out in job.outputs for e in out.prompt_logprobs or ()]
+                    assert len(entries) == len(job.prompt) and entries[0] is None, job.rid
                 if job.params.greedy or not spec:
                     survivors.append((job, got))
         assert len(survivors) >= 10
@@ -478,22 +492,48 @@ def weird_value(rng: random.Random, name: str, vocab: int) -> Any:
     return rng.choice(WEIRD)
 
 
+def extreme_value(rng: random.Random, name: str, vocab: int) -> Any:
+    """A value at the edge of what field ``name`` accepts (None when the field has no such edge)."""
+    choices: dict[str, list[Any]] = {
+        "temperature": [0, 1e-6, 1e-5, 2, 100, 1e38, 1e300], "top_p": [1e-300, 1e-9, 1],
+        "top_k": [-1, 1, vocab, 2**63 - 1], "min_p": [0.999, 1], "seed": [0, -2**63, 2**64 - 1],
+        "presence_penalty": [-2, 2], "frequency_penalty": [-2, 2], "repetition_penalty": [1e-300, 1e-38, 2],
+        "n": [2, 16], "stop": [["\n"], ["😀", " "], ["e", "a" * 1000] + [f"s{i}" for i in range(62)]],
+        "stop_token_ids": [[0, 1, 2, 3, 4], list(range(vocab - 64, vocab))], "ignore_eos": [True],
+        "min_tokens": [1, 8], "logit_bias": [{"0": 100}, {str(vocab - 1): -100}, {str(t): 100 for t in range(50)}],
+        "logprobs": [0, 20], "echo": [True], "stream": [True], "include_stop_str_in_output": [True],
+        "skip_special_tokens": [False], "spaces_between_special_tokens": [False], "priority": [-2**63, 2**63 - 1],
+        "user": ["😀" * 1000], "prompt": [[0], [vocab - 1] * 200, "😀", ["a"] * 8, [[1, 2]] * 3],
+        "messages": [[{"role": "assistant", "content": None}], [{"role": "user", "content": ""}]],
+        "chat_template_kwargs": [{"enable_thinking": True}, {"bos_token": ""}],
+    }
+    return rng.choice(choices[name]) if name in choices else None
+
+
 def fuzz_body(rng: random.Random, vocab: int) -> tuple[str, bytes]:
+    """A mutated valid body. Half the time every mutation stays within the accepted ranges (the
+    engine must serve it), otherwise anything goes (the server must refuse it cleanly)."""
     path = rng.choice([C, CHAT])
     body: dict[str, Any] = dict(rng.choice([b for p, b in VALID if p == path]))
     body["max_tokens"] = rng.randint(1, 8)
     body.pop("max_completion_tokens", None)
+    edgy = rng.random() < 0.5
     for _ in range(rng.randint(1, 4)):
         name = rng.choice(FIELDS)
-        if rng.random() < 0.15:
+        if edgy:
+            value = extreme_value(rng, name, vocab)
+            if value is not None and (name, path) not in (("echo", CHAT), ("logprobs", CHAT), ("prompt", CHAT),
+                                                          ("messages", C), ("chat_template_kwargs", C)):
+                body[name] = value
+        elif rng.random() < 0.15:
             body.pop(name, None)
         else:
             body[name] = weird_value(rng, name, vocab)
     text = json.dumps(body)
-    if rng.random() < 0.1:
+    if not edgy and rng.random() < 0.1:
         name = rng.choice(list(body))
         text = text.replace(f"{json.dumps(name)}: {json.dumps(body[name])}", f"{json.dumps(name)}: {rng.choice(LITERALS)}", 1)
-    if rng.random() < 0.03:
+    if not edgy and rng.random() < 0.05:
         text = text[:rng.randrange(len(text) + 1)]
     return path, text.encode()
 
@@ -560,7 +600,9 @@ def assert_same_answer(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    engine = make_engine(model_dir(), num_kv_blocks=24)
+    # Drafting on: the fuzz's sampling parameters then also reach the proposer and the rejection sampler.
+    engine = make_engine(model_dir(), num_kv_blocks=24,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
         yield srv
 
@@ -613,6 +655,7 @@ async def test_http_fuzz_is_4xx_or_2xx_and_harms_no_one(server: ServerThread) ->
                 work.append(valid(rng.randrange(len(VALID))))
         await asyncio.gather(*work)
 
+        print(statuses)
         assert statuses[200] >= 20 and sum(n for s, n in statuses.items() if 400 <= s < 500) >= 150, statuses
         # Nothing left behind: no request, no block, and /metrics agrees.
         loop = asyncio.get_running_loop()
