@@ -25,6 +25,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
     "specloop.plugins.spec_metrics",
+    "specloop.plugins.tracing",
     "specloop.proposers.plugin",
     "specloop.server.routes",
 )
