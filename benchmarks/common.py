@@ -40,6 +40,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def git_commit() -> str:
+    """The checkout's commit; ``SPECLOOP_COMMIT`` where the tree travelled without ``.git`` (the
+    GPU machine)."""
+    if os.environ.get("SPECLOOP_COMMIT"):
+        return os.environ["SPECLOOP_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

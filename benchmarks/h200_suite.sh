@@ -2,7 +2,9 @@
 # One GPU session, in priority order: the GPU tests, then the benchmarks. Each stage has its own
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
-#   OUT=/some/dir benchmarks/h200_suite.sh [stage ...]     (stages: tests offline decode8b decode prefill breakdown)
+#   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
+# (stages: tests offline decode decode8b prefill breakdown; the commit is passed in because the
+# tree reaches the GPU machine without .git).
 set -u
 OUT=${OUT:-out/suite}
 RES=${RES:-/tmp/specloop-results}
