@@ -205,7 +205,7 @@ def measure_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     src = torch.randn(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None
     torch.cuda.empty_cache()
     return 2 * n * 2 / t
 
@@ -217,7 +217,7 @@ def measure_matmul(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     t = cuda_time(lambda: a @ b)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return 2 * n**3 / t
 
