@@ -105,10 +105,10 @@ class AsyncEngine:
         """
         prompt_text, prompt_ids = self.processor.parse(prompt)
         self.validate(prompt_ids, params)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
         await self.start()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
         state = RequestState(request_id, prompt_text, requests, self.tokenizer)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         added: list[str] = []

@@ -100,6 +100,12 @@ class InputProcessor:
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       priority: int = 0, arrival_time: float | None = None) -> list[Request]:
         """One request, or ``n`` child requests (ids ``f"{i}_{request_id}"``, seeds ``seed + i``)."""
+        # Checked here, not in the scheduler's step: a bad id or priority must fail this call, not
+        # the engine (the runner hashes ids, the priority queue compares priorities).
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         requests = []
         for i in range(params.n):

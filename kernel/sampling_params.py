@@ -39,13 +39,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
@@ -62,6 +57,12 @@ class SamplingParams:
         def check(ok: bool, name: str, msg: str) -> None:
             if not ok:
                 raise ValueError(f"{name} {msg}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            # Before the range checks, which would raise TypeError for a string or None.
+            check(isinstance(value, (int, float)) and not isinstance(value, bool), name,
+                  f"must be a number, got {value!r}.")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}.")
         check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}.")
@@ -114,3 +115,12 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    if value is None:
+        return []
+    try:
+        return list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list, got {value!r}.") from None

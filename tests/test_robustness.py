@@ -407,6 +407,35 @@ def test_a_failing_chat_template_is_a_value_error() -> None:
             tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template)
 
 
+NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+@pytest.mark.parametrize("name,value", [(n, v) for n in NUMBERS for v in (None, "0.5", [0.5], True, 1 + 2j)]
+                         + [(n, v) for n in ("stop", "stop_token_ids") for v in (7, 1.5, True)], ids=repr)
+def test_wrong_types_are_value_errors_naming_the_field(name: str, value: Any) -> None:
+    """A wrong type once escaped as a TypeError from a comparison ("'>=' not supported ...")."""
+    with pytest.raises(ValueError, match=f"^{name} "):
+        SamplingParams(**{name: value})
+
+
+async def test_a_bad_request_id_or_priority_fails_only_its_own_call() -> None:
+    """A non-string id (hashed by the runner) or a non-integer priority (compared by the priority
+    queue) once failed inside the step and killed the engine with every request in it."""
+    engine = make_engine(model_dir(), num_kv_blocks=24, scheduler="priority")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        other = asyncio.create_task(anext(engine.generate([5, 6, 7], params, "other", delta=False)))
+        await other  # running
+        for request_id, priority in ((5, 0), (None, 0), (("a",), 0), ("p", "high"), ("p", None), ("p", 1.5)):
+            with pytest.raises(ValueError, match="request_id must be a string|priority must be an integer"):
+                await anext(engine.generate([8, 9], params, request_id, priority=priority))
+        final = [out async for out in engine.generate([5, 6, 7], params, "again")][-1]
+        assert engine.is_running and final.outputs[0].finish_reason == "length"
+        assert len(final.outputs[0].token_ids) == 12
+    finally:
+        await engine.shutdown()
+
+
 def test_duplicate_stops_are_checked_once() -> None:
     params = SamplingParams(stop=["a", "b"] * 50_000, stop_token_ids=[7, 3] * 50_000)
     assert params.stop == ["a", "b"] and params.stop_token_ids == [7, 3]
