@@ -69,8 +69,17 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def outside_corpus(parts: tuple[str, ...]) -> bool:
+    """Paths below the stdlib directory that are not the standard library."""
+    return parts[0] == "site-packages" or "__pycache__" in parts
+
+
 def is_heldout(relpath: str) -> bool:
-    """A fixed ~5% of modules, chosen by the path alone so the split never depends on file order."""
+    """Whether the module at ``relpath`` (relative to the stdlib directory, ``/``-separated) is one of
+    the held-out ~5%, chosen by the path alone so the split never depends on file order; a path
+    outside the corpus (``site-packages/``) never is."""
+    if outside_corpus(tuple(relpath.split("/"))):
+        return False
     return int(hashlib.sha256(relpath.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
 
 
@@ -82,7 +91,7 @@ def corpus_files(root: Path) -> tuple[list[tuple[str, str]], list[str]]:
     kept, skipped = [], []
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).parts
-        if parts[0] == "site-packages" or "__pycache__" in parts:
+        if outside_corpus(parts):
             continue
         rel = "/".join(parts)
         data = path.read_bytes()
