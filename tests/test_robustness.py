@@ -11,10 +11,12 @@ point: the oracles (solo runs, block ledgers) must hold whatever the interleavin
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import json
 import os
 import random
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ def one_torch_thread() -> Iterator[None]:
 def model_dir() -> str:
     """A tokenizer and a peaked random Qwen3 over exactly its vocabulary, in one directory."""
     root = tempfile.mkdtemp(prefix="specloop-robust-")
+    atexit.register(shutil.rmtree, root, True)
     tok_dir = build_tokenizer(os.path.join(root, "tok"), vocab_size=400)
     with open(os.path.join(tok_dir, "tokenizer.json")) as f:
         vocab = len(json.load(f)["model"]["vocab"])
@@ -389,10 +392,9 @@ def test_extreme_sampling_parameters_give_a_distribution(params: SamplingParams)
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
     assert float(probs[banned].sum()) == 0.0
     if params.repetition_penalty < 1:
-        # The prompt token with the largest positive logit is boosted past every other token.
-        boosted = max((t for t in prompt if logits[t] > 0), key=lambda t: float(logits[t]), default=None)
-        if boosted is not None:
-            assert float(probs[boosted]) == 1.0
+        # The prompt's only token with a positive logit is boosted past every other token.
+        (boosted,) = [t for t in prompt if logits[t] > 0]
+        assert float(probs[boosted]) == 1.0
     else:
         allowed = probs[[t for t in range(vocab) if t not in banned]]
         assert float(allowed.max() - allowed.min()) < 1e-6  # infinitely hot: uniform over what is allowed
