@@ -241,7 +241,7 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
     logprobs = raw_logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-    max_k = max(k or 0 for k in num_logprobs)
+    max_k = min(max(k or 0 for k in num_logprobs), logprobs.shape[-1])  # a vocabulary may be smaller than k
     top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
     chosen_l, ranks_l, tokens_l = chosen.tolist(), ranks.tolist(), token_ids.tolist()
     top_vals_l = top_vals.tolist() if top_vals is not None else None

@@ -14,6 +14,7 @@ import asyncio
 import atexit
 import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -399,6 +400,21 @@ def test_extreme_sampling_parameters_give_a_distribution(params: SamplingParams)
         allowed = probs[[t for t in range(vocab) if t not in banned]]
         assert float(allowed.max() - allowed.min()) < 1e-6  # infinitely hot: uniform over what is allowed
     assert int(sample(logits[None], meta)) not in banned
+
+
+def test_more_logprobs_than_the_vocabulary(tmp_path: Any) -> None:
+    """Asking for 20 alternatives from a 12-token vocabulary once failed inside the step (topk out of
+    range); now every position reports the whole vocabulary."""
+    model = hf_models.build("qwen3_tied", str(tmp_path), overrides={"vocab_size": 12})
+    llm = LLM(model.path, device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=32,
+              max_model_len=32)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=20, prompt_logprobs=20)
+    (out,) = llm.generate({"prompt_token_ids": [1, 5, 7]}, params, use_tqdm=False)
+    positions = out.outputs[0].logprobs + out.prompt_logprobs[1:]
+    assert len(positions) == 3 + 2 and out.prompt_logprobs[0] is None
+    for entries in positions:
+        assert sorted(entries) == list(range(12))
+        assert abs(sum(math.exp(lp.logprob) for lp in entries.values()) - 1) < 1e-4
 
 
 def test_a_failing_chat_template_is_a_value_error() -> None:
