@@ -27,6 +27,7 @@ lines.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -60,6 +61,14 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
 
+def _logfmt(value: Any) -> str:
+    text = str(value)
+    # Quoted (JSON escapes) when a stop string or an id would otherwise break the key=value split.
+    if isinstance(value, str) and (not text or any(c in text for c in ' ="\\') or not text.isprintable()):
+        return json.dumps(text, ensure_ascii=False)
+    return text
+
+
 @dataclass(slots=True)
 class _Flow:
     """What the tracer remembers about one live request. Set by :class:`FlowTracer`."""
@@ -84,7 +93,7 @@ class FlowTracer:
 
     @staticmethod
     def emit(flow: str, **fields: Any) -> None:
-        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        text = " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items())
         logger.info("flow=%s %s", flow, text, extra={"specloop_flow": {"flow": flow, **fields}})
 
     # --- request milestones (once per request batch) -------------------------------------------

@@ -143,15 +143,16 @@ def test_the_wrapper_times_the_other_plugins(caplog: pytest.LogCaptureFixture) -
 
 def test_one_token_and_aborted_requests(caplog: pytest.LogCaptureFixture) -> None:
     """A first token that also ends the request is still logged, before the finish; a request
-    aborted while waiting is added and finished, never scheduled."""
+    aborted while waiting is added and finished, never scheduled. Ids with spaces stay one field."""
     caplog.set_level(logging.INFO, logger="specloop.trace")
     core = make_core(max_num_seqs=1)
-    core.add_requests([Request("short", [1, 2, 3], SamplingParams(max_tokens=1)),
+    core.add_requests([Request("short one", [1, 2, 3], SamplingParams(max_tokens=1)),
                        Request("gone", [4, 5, 6], SamplingParams(max_tokens=5))])
     core.step()
     core.abort_requests(["gone"])
     assert not core.has_unfinished_requests()
     events = [(rec["req"], rec["event"], rec.get("reason")) for rec in flows(caplog) if rec["flow"] == "request"]
-    assert events == [("short", "added", None), ("gone", "added", None), ("short", "scheduled", None),
-                      ("short", "first_token", None), ("short", "finished", "length"),
+    assert events == [("short one", "added", None), ("gone", "added", None), ("short one", "scheduled", None),
+                      ("short one", "first_token", None), ("short one", "finished", "length"),
                       ("gone", "finished", "abort")]
+    assert caplog.records[0].getMessage().startswith('flow=request req="short one" event=added ')
