@@ -31,6 +31,7 @@ from server_fixtures import ServerThread, make_engine, scrape
 from tokenizer_helpers import build_tokenizer
 
 from specloop.backends.sampler import SamplingMetadata, SamplingRow, probabilities, process_logits, sample
+from specloop.cli import build_parser
 from specloop.frontend.async_engine import AsyncEngine
 from specloop.frontend.detokenizer import IncrementalDetokenizer
 from specloop.frontend.llm import LLM
@@ -40,6 +41,7 @@ from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.server.app import build_app
+from specloop.server.cli import limits_from_args
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -754,3 +756,9 @@ def test_requests_that_were_500s_or_stalls(server: ServerThread, path: str, body
     # What stays allowed: the same stop string many times, and template variables of the template's own.
     ok = {**base, "stop": ["Hello"] * 1000, **({"chat_template_kwargs": {"enable_thinking": False}} if path == CHAT else {})}
     assert httpx.post(server.url + path, json=ok).status_code == 200
+
+
+def test_max_stop_strings_flag() -> None:
+    parser = build_parser()
+    assert limits_from_args(parser.parse_args(["serve", "--max-stop-strings", "3"])).max_stop_strings == 3
+    assert limits_from_args(parser.parse_args(["serve"])).max_stop_strings == 64
