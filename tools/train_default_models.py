@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS_ID, IM_START_ID, IM_END_ID = 0, 1, 2
+EOS_ID, IM_END_ID = 0, 2  # <|im_start|> is 1
 VOCAB_SIZE = 8192
 SEQ_LEN = 1024
 HELDOUT_PERCENT = 5
@@ -461,6 +461,8 @@ def _qwen3(config_fn: Callable[[], object]) -> Callable[[], nn.Module]:
     return build
 
 
+# The step counts are the shipped runs' (docs/default_models.md); the draft's and the MTP model's were
+# fitted to a time budget over their first 60 steps.
 RECIPES: dict[str, Recipe] = {
     "specloop-tiny": Recipe("specloop-tiny", _qwen3(target_config), causal_lm_loss, qwen3_state_dict,
                             lambda m: m.config, lr=2e-3, batch_size=64, steps=1100),
@@ -515,7 +517,7 @@ def evaluate(recipe: Recipe, module: nn.Module, windows: torch.Tensor, device: t
     return {k: v / len(windows) for k, v in totals.items()}
 
 
-def autocast(device: torch.device):
+def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
