@@ -1,15 +1,18 @@
 """Speculative decoding (BENCHMARKS.md §4): acceptance and speedup over no speculation, same run.
 
-For each batch size, the same prompts are generated greedily (``ignore_eos``, fixed output length)
-without speculation and then with each proposer and each K. Reported per configuration:
+For each batch size b, the same prompts (at least ``--min-prompts``, b at a time) are generated
+greedily (``ignore_eos``, fixed output length) without speculation and then with each proposer and
+each K. Reported per configuration:
 
 * acceptance rate = accepted / drafted tokens; mean acceptance length = 1 + accepted / drafts
   (tokens committed per verification); per-position acceptance = share of drafts whose i-th token
   was accepted;
 * speedup = wall time without speculation / with it (prefill included; the fastest of
-  ``--repeat`` runs each);
+  ``--repeat`` runs each, the two engines alternating so both see the same machine load);
 * efficiency = speedup / ideal, ideal = mean acceptance length * t_step(no spec) / t_step(spec),
   t_step being wall time per engine step (drafting included);
+* step ratio = engine steps without / with speculation: the speedup a step-time-bound engine would
+  see if drafting and wider verification were free (deterministic, unlike wall times);
 * whether the tokens equal the run without speculation (they must, for greedy decoding).
 
 Prompts: ``heldout`` takes windows of the standard-library modules held out from the default model's
@@ -56,8 +59,13 @@ def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
     raise SystemExit(f"only {len(prompts)} held-out modules have {length} tokens")
 
 
+def num_prompts(args: argparse.Namespace, batch_size: int) -> int:
+    """Whole rounds of ``batch_size`` covering at least ``--min-prompts``."""
+    return batch_size * -(-args.min_prompts // batch_size)
+
+
 def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    n = max(args.batch_sizes)
+    n = max(num_prompts(args, b) for b in args.batch_sizes)
     if args.prompts == "random":
         rng = np.random.default_rng(args.seed)
         return [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(n)]
@@ -66,33 +74,54 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return heldout_prompts(Tokenizer(args.model), n, args.prompt_len, args.seed)
 
 
-def timed_run(args: argparse.Namespace, prompts: list[list[int]], spec: dict[str, Any] | None) -> dict[str, Any]:
-    from specloop import LLM, SamplingParams
+class Engine:
+    """One ``LLM`` (with or without speculation) generating the benchmark's prompts ``batch_size`` at
+    a time, one ``generate`` call per round."""
 
-    llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
-              max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=len(prompts),
-              gpu_memory_utilization=args.gpu_memory_utilization)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    before = llm.get_metrics()
-    times = []
-    for i in range(args.repeat):
-        if args.device.startswith("cuda"):
+    def __init__(self, args: argparse.Namespace, prompts: list[list[int]], batch_size: int,
+                 spec: dict[str, Any] | None) -> None:
+        from specloop import LLM, SamplingParams
+
+        self.cuda = args.device.startswith("cuda")
+        self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
+                       max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=batch_size,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        self.rounds = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+        self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)
+        self.times: list[float] = []
+        # The first timed run's tokens and counters (greedy: every run is the same).
+        self.stats: dict[str, Any] | None = None
+
+    def run(self) -> None:
+        before = self.llm.get_metrics()
+        if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = llm.generate(requests, params, use_tqdm=False)
-        if args.device.startswith("cuda"):
+        outs = [out for batch in self.rounds for out in self.llm.generate(batch, self.params, use_tqdm=False)]
+        if self.cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            after = llm.get_metrics()
-    seconds = min(times)
-    del llm
-    gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        self.times.append(time.perf_counter() - t0)
+        if self.stats is None:
+            self.stats = counters(before, self.llm.get_metrics())
+            self.stats["tokens"] = [o.outputs[0].token_ids for o in outs]
+            self.stats["output_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
 
+    @property
+    def seconds(self) -> float:
+        return min(self.times)
+
+    def close(self) -> None:
+        del self.llm
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Steps and speculative-decoding figures between two ``get_metrics()`` snapshots."""
     def delta(key: str) -> int:
         return after[key] - before[key]
 
@@ -100,9 +129,7 @@ def timed_run(args: argparse.Namespace, prompts: list[list[int]], spec: dict[str
     per_pos = [n - (per_pos_before[i] if i < len(per_pos_before) else 0)
                for i, n in enumerate(after["spec_num_accepted_tokens_per_pos"])]
     drafts, drafted, accepted = delta("spec_num_drafts"), delta("spec_num_draft_tokens"), delta("spec_num_accepted_tokens")
-    return {"seconds": seconds, "steps": delta("num_steps"), "tokens": [o.outputs[0].token_ids for o in outs],
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "drafts": drafts,
-            "draft_tokens": drafted, "accepted_tokens": accepted,
+    return {"steps": delta("num_steps"), "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
             "per_position_acceptance": [n / drafts for n in per_pos] if drafts else []}
@@ -124,13 +151,21 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-prompts", type=int, default=16,
+                        help="prompts per batch size at least; smaller batches run several rounds")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration; the fastest counts")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
+                             "and a busy machine makes a multi-threaded pool stall)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.methods = args.methods.split(",")
     device = torch.device(args.device)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
+    args.threads = torch.get_num_threads()
     from common import SHAPES
 
     if args.model in SHAPES:
@@ -148,10 +183,11 @@ def main() -> None:
 
     results: list[dict[str, Any]] = []
     for b in args.batch_sizes:
-        batch = prompts[:b]
-        base = timed_run(args, batch, None)
-        report(f"batch {b}: no speculation", {"seconds": base["seconds"], "steps": base["steps"],
-                                             "output tok/s": base["output_tokens"] / base["seconds"]})
+        batch = prompts[:num_prompts(args, b)]
+        base = Engine(args, batch, b, None)
+        base.run()
+        report(f"batch {b}: no speculation", {"seconds": base.seconds, "steps": base.stats["steps"],
+                                             "output tok/s": base.stats["output_tokens"] / base.seconds})
         for method in args.methods:
             for k in args.ks:
                 spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
@@ -159,24 +195,38 @@ def main() -> None:
                     spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
                 elif method == "draft_model":
                     spec["model"] = args.draft_model
-                run = timed_run(args, batch, spec)
-                speedup = base["seconds"] / run["seconds"]
-                ideal = run["mean_acceptance_length"] * (base["seconds"] / base["steps"]) / (run["seconds"] / run["steps"])
-                row = {"batch": b, "method": method, "k": k, "speedup": speedup, "ideal_speedup": ideal,
-                       "efficiency": speedup / ideal, "identical": run["tokens"] == base["tokens"],
+                engine = Engine(args, batch, b, spec)
+                # Alternate the two engines so that both see the same machine conditions.
+                base.times.clear()
+                for _ in range(args.repeat):
+                    base.run()
+                    engine.run()
+                engine.close()
+                run, base_steps = engine.stats, base.stats["steps"]
+                speedup = base.seconds / engine.seconds
+                ideal = run["mean_acceptance_length"] * (base.seconds / base_steps) / (engine.seconds / run["steps"])
+                row = {"batch": b, "method": method, "k": k, "seconds": engine.seconds,
+                       "base_seconds": base.seconds, "speedup": speedup, "ideal_speedup": ideal,
+                       "efficiency": speedup / ideal, "step_ratio": base_steps / run["steps"],
+                       "identical": run["tokens"] == base.stats["tokens"],
                        **{key: v for key, v in run.items() if key != "tokens"}}
                 results.append(row)
                 report(f"batch {b}: {method} K={k}", {
                     "acceptance rate": row["acceptance_rate"], "mean acceptance length": row["mean_acceptance_length"],
                     "per-position acceptance": ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]),
+                    "seconds (no speculation)": f"{engine.seconds:.3f} ({base.seconds:.3f})",
                     "speedup": speedup, "ideal speedup": ideal, "efficiency": row["efficiency"],
-                    "steps": row["steps"], "identical to no speculation": row["identical"]})
-    print("\n| batch | method | K | acceptance | mean acc. len | per-position | speedup | ideal | efficiency | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+                    "steps": row["steps"], "step ratio": row["step_ratio"],
+                    "identical to no speculation": row["identical"]})
+        base.close()
+    print("\n| batch | method | K | acceptance | mean acc. len | per-position | step ratio | speedup | ideal "
+          "| efficiency | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | "
-              f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+              f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['step_ratio']:.2f} | {r['speedup']:.2f}x | "
+              f"{r['ideal_speedup']:.2f}x | "
               f"{r['efficiency']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results})
     print(f"\nsaved {path}")

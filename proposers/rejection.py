@@ -47,13 +47,17 @@ def hashed_uniform(key: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor
     return (_shr(h, 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
+def exponential_noise(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` i.i.d. Exp(1) draws, entry ``(b, v)`` from (``key[b]``, index ``v + 1``)."""
+    vocab = torch.arange(vocab_size, device=key.device)
+    return -torch.log(hashed_uniform(key[:, None], vocab[None, :] + 1))
+
+
 def exponential_race(weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Sample one index per row of ``weights`` ``[B, V]`` (non-negative, not necessarily
     normalised) with the noise of ``key`` ``[B]``: ``argmax(w / E)``, ``E ~ Exp(1)`` per entry.
     Rows of zeros return 0."""
-    vocab = torch.arange(weights.shape[-1], device=weights.device)
-    e = -torch.log(hashed_uniform(key[:, None], vocab[None, :] + 1))
-    return (weights / e).argmax(dim=-1)
+    return (weights / exponential_noise(key, weights.shape[-1])).argmax(dim=-1)
 
 
 def rejection_sample_torch(
@@ -96,21 +100,18 @@ def rejection_sample_torch(
     if target_probs is not None and bool(sampled.any()):
         idx = sampled.nonzero().squeeze(1)
         p = target_probs[final_row[idx]]
+        d = draft_token_ids.to(torch.int64)[final_row[idx]]  # the rejected draft (bonus row: unused)
         if draft_probs is not None:
             q = draft_probs[final_row[idx]] * rejected[idx, None]
         else:
-            d = draft_token_ids.to(torch.int64)[final_row[idx]]
             q = torch.zeros_like(p).scatter_(1, d[:, None], 1.0) * rejected[idx, None]
         # else sample from norm(max(p - q, 0)) (at the bonus row q = 0, so from p)
-        key = position_key(seeds[idx], positions[idx] + stop[idx])
-        vocab = torch.arange(p.shape[1], device=device)
-        e = -torch.log(hashed_uniform(key[:, None], vocab[None, :] + 1))
+        e = exponential_noise(position_key(seeds[idx], positions[idx] + stop[idx]), p.shape[1])
         score = (p - q).clamp_min(0.0) / e
         best, best_id = score.max(dim=1)
         # An all-zero residual after a rejection means p == q up to rounding, where the draft is
         # accepted with probability 1 - O(eps): keep the draft.
-        draft_at_stop = draft_token_ids.to(torch.int64)[final_row[idx]]
-        token[idx] = torch.where(best > 0, best_id, draft_at_stop)
+        token[idx] = torch.where(best > 0, best_id, d)
 
     out = torch.where(j[None, :] < stop[:, None], draft, PLACEHOLDER_TOKEN_ID)
     out = torch.cat([out, torch.full((num_reqs, 1), PLACEHOLDER_TOKEN_ID, device=device, dtype=torch.int64)], 1)

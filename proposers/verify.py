@@ -46,7 +46,6 @@ class RejectionSampler:
             raise ValueError(f"unknown rejection-sampler backend {backend!r}")
         self.backend = backend
         self.rows_per_program = rows_per_program
-        self.last: VerifyResult | None = None
 
     def __call__(self, *, logits: torch.Tensor, metadata: sampling.SamplingMetadata,
                  spec_token_ids: Sequence[Sequence[int]], num_rows: Sequence[int],
@@ -55,8 +54,7 @@ class RejectionSampler:
         that samples nothing this step); ``metadata`` describes the same rows.
         ``draft_probs[i]``, when given, is ``[>= len(spec_token_ids[i]), V]``: the distribution
         each draft was sampled from (None: the draft was deterministic, one-hot)."""
-        self.last = self.verify(logits, metadata, spec_token_ids, num_rows, draft_probs)
-        return self.last.sampled_token_ids
+        return self.verify(logits, metadata, spec_token_ids, num_rows, draft_probs).sampled_token_ids
 
     def verify(self, logits: torch.Tensor, meta: sampling.SamplingMetadata, spec_token_ids: Sequence[Sequence[int]],
                num_rows: Sequence[int], draft_probs: Sequence[torch.Tensor | None] | None = None) -> VerifyResult:
