@@ -178,7 +178,8 @@ def _echo_logprobs(state: ServerState, gen: Generation, i: int, builder: protoco
     return builder.build(prompt.token_ids, entries)
 
 
-async def collect_completion(state: ServerState, gen: Generation, ctx: CompletionContext) -> dict[str, Any]:
+async def _drain(gen: Generation) -> None:
+    """Run a non-streaming generation to its end; an engine failure becomes an API error."""
     try:
         async for _ in gen:
             pass
@@ -186,6 +187,10 @@ async def collect_completion(state: ServerState, gen: Generation, ctx: Completio
         raise _failure(e) from None
     finally:
         await gen.cancel()
+
+
+async def collect_completion(state: ServerState, gen: Generation, ctx: CompletionContext) -> dict[str, Any]:
+    await _drain(gen)
     choices = []
     for i, prompt in enumerate(gen.inputs):
         for k, c in enumerate(gen.choices[i]):
@@ -255,13 +260,7 @@ class ChatContext:
 
 
 async def collect_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> dict[str, Any]:
-    try:
-        async for _ in gen:
-            pass
-    except EngineFailure as e:
-        raise _failure(e) from None
-    finally:
-        await gen.cancel()
+    await _drain(gen)
     choices = []
     for k, c in enumerate(gen.choices[0]):
         logprobs = None
