@@ -130,6 +130,33 @@ def test_kernel_matches_reference(kernel_outputs: dict) -> None:
         assert ((out == PLACEHOLDER_TOKEN_ID) == (ref_out == PLACEHOLDER_TOKEN_ID)).all()
 
 
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from specloop.kernels.rejection_sample import _rejection_sample_kernel as kernel
+ptr = {"out_ptr": "*i32", "num_accepted_ptr": "*i32", "draft_ptr": "*i32", "draft_probs_ptr": "*fp32",
+       "target_probs_ptr": "*fp32", "target_argmax_ptr": "*i64", "cu_ptr": "*i32", "greedy_ptr": "*i8",
+       "seed_ptr": "*i64", "pos_ptr": "*i64"}
+ints = {"out_stride": "i64", "draft_probs_stride": "i64", "target_probs_stride": "i64", "num_reqs": "i32",
+        "vocab_size": "i32", "max_spec_len": "i32"}
+for has_probs in (True, False):
+    signature = {name: ptr.get(name) or ints.get(name) or "constexpr" for name in kernel.arg_names}
+    constexprs = {"HAS_DRAFT_PROBS": has_probs, "BLOCK_R": 1, "BLOCK_V": 4096}
+    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm.get("cubin")
+"""
+
+
+def test_kernel_compiles_for_hopper() -> None:
+    """The launcher's GPU configuration (one request per program) compiles down to an sm_90 cubin;
+    the interpreter alone would not catch code that only the compiler rejects."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_greedy_rules() -> None:
     # Two requests over 5 tokens: argmax per row given directly through one-hot targets.
     argmax = torch.tensor([1, 2, 3, 4, 0, 1, 2])  # request 0: rows 0..3 (3 drafts + bonus); 1: rows 4..6
