@@ -44,16 +44,6 @@ from specloop.server.app import build_app
 from specloop.server.cli import limits_from_args
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Steps of a model this small are dominated by thread hand-offs; on a loaded CI machine extra
-    intra-op threads only spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @functools.cache
 def model_dir() -> str:
     """A tokenizer and a peaked random Qwen3 over exactly its vocabulary, in one directory."""

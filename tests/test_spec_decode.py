@@ -35,16 +35,6 @@ STRESSED = dict(max_model_len=96, block_size=4, num_kv_blocks=30, max_num_batche
 ROOMY = dict(max_model_len=256, block_size=8, num_kv_blocks=256)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from a torch thread pool, and on a busy machine a two-thread pool
-    stalls (steps slow down by 10-50x); restored for the other modules."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target() -> hf_models.TinyModel:
     return hf_models.tiny("qwen3")
