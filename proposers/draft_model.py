@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 
 from specloop.backends import sampler as sampling
