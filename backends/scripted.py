@@ -24,6 +24,15 @@ def scripted_next_token(token_ids: list[int], vocab_size: int) -> int:
     return (a * 7 + b * 3 + len(token_ids) * 5 + 1) % vocab_size
 
 
+def scripted_continuation(token_ids: list[int], num_tokens: int, vocab_size: int) -> list[int]:
+    """The ``num_tokens`` tokens the scripted target generates after ``token_ids``."""
+    history, out = list(token_ids), []
+    for _ in range(num_tokens):
+        out.append(scripted_next_token(history, vocab_size))
+        history.append(out[-1])
+    return out
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]

@@ -4,18 +4,14 @@ import pytest
 from tokenizer_helpers import build_tokenizer
 
 from specloop import AsyncEngine, EngineConfig, SamplingParams
-from specloop.backends.scripted import ScriptedModelRunner, scripted_next_token
+from specloop.backends.scripted import ScriptedModelRunner, scripted_continuation
 from specloop.kernel import EngineDeadError, PluginManager, hookimpl
 
 VOCAB = 400
 
 
 def expected_tokens(prompt_ids, n):
-    history, out = list(prompt_ids), []
-    for _ in range(n):
-        out.append(scripted_next_token(history, VOCAB))
-        history.append(out[-1])
-    return out
+    return scripted_continuation(prompt_ids, n, VOCAB)
 
 
 @pytest.fixture(scope="module")

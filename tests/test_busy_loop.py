@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from specloop.backends.scripted import ScriptedModelRunner, scripted_next_token
+from specloop.backends.scripted import ScriptedModelRunner, scripted_continuation
 from specloop.kernel import (AsyncEngineCore, EngineConfig, EngineCore, EngineCoreOutput, EngineDeadError,
                              FinishReason, PluginManager, Request, SamplingParams, hookimpl)
 
@@ -21,11 +21,7 @@ def req(rid: str, n: int = 5, max_tokens: int = 8, start: int = 1) -> Request:
 
 
 def expected(request: Request) -> list[int]:
-    history, out = list(request.prompt_token_ids), []
-    for _ in range(request.max_tokens):
-        out.append(scripted_next_token(history, 1000))
-        history.append(out[-1])
-    return out
+    return scripted_continuation(request.prompt_token_ids, request.max_tokens, 1000)
 
 
 async def collect(queue: asyncio.Queue[EngineCoreOutput]) -> tuple[list[int], EngineCoreOutput]:

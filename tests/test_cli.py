@@ -4,7 +4,7 @@ import sys
 import pytest
 from tokenizer_helpers import build_tokenizer
 
-from specloop.backends.scripted import scripted_next_token
+from specloop.backends.scripted import scripted_continuation
 from specloop.cli import main
 from specloop.frontend.tokenizer import Tokenizer
 
@@ -17,11 +17,7 @@ def tok_dir(tmp_path_factory):
 
 
 def expected_text(tok, prompt, n):
-    history = tok.encode(prompt)
-    start = len(history)
-    for _ in range(n):
-        history.append(scripted_next_token(history, VOCAB))
-    return tok.decode(history[start:])
+    return tok.decode(scripted_continuation(tok.encode(prompt), n, VOCAB))
 
 
 def test_generate_streams_each_prompt_in_order(tok_dir, capsys, monkeypatch):

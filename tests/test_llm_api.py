@@ -2,7 +2,7 @@ import pytest
 from tokenizer_helpers import build_tokenizer
 
 from specloop import LLM, CompletionOutput, RequestOutput, SamplingParams
-from specloop.backends.scripted import scripted_next_token
+from specloop.backends.scripted import scripted_continuation
 from specloop.frontend.output_processor import RequestState
 from specloop.kernel import EngineCoreOutput, FinishReason, Request, TokenLogprobs
 
@@ -10,11 +10,7 @@ VOCAB = 400
 
 
 def expected_tokens(prompt_ids, n):
-    history, out = list(prompt_ids), []
-    for _ in range(n):
-        out.append(scripted_next_token(history, VOCAB))
-        history.append(out[-1])
-    return out
+    return scripted_continuation(prompt_ids, n, VOCAB)
 
 
 @pytest.fixture(scope="module")
