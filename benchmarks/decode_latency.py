@@ -27,7 +27,7 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
 
 def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
     from specloop import LLM, SamplingParams
-    from specloop.plugins.models.config import read_model_config
+    from specloop.models.config import read_model_config
 
     device = torch.device(args.device)
     path = build_checkpoint(shape, args.ckpt_root, device)

@@ -165,7 +165,7 @@ def main() -> None:
     bandwidth, flops = measure_bandwidth(device), measure_matmul(device)
     report("device ceilings (measured now)", {"copy bandwidth TB/s": bandwidth / 1e12, "bf16 matmul TFLOP/s": flops / 1e12})
     path = build_checkpoint(args.shape, args.ckpt_root, device)
-    from specloop.plugins.models.config import read_model_config
+    from specloop.models.config import read_model_config
 
     vocab = read_model_config(path).vocab_size
     work = workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)

@@ -43,7 +43,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from specloop import LLM, SamplingParams
-    from specloop.plugins.models.config import read_model_config
+    from specloop.models.config import read_model_config
 
     path = build_checkpoint(args.shape, args.ckpt_root, device)
     vocab = read_model_config(path).vocab_size

@@ -175,7 +175,7 @@ def main() -> None:
     if args.draft_model is None:
         sibling = args.model.rstrip("/") + "-draft"
         args.draft_model = sibling if os.path.isdir(sibling) else args.model
-    from specloop.plugins.models.config import read_model_config
+    from specloop.models.config import read_model_config
 
     prompts = make_prompts(args, read_model_config(args.model).vocab_size)
     config = dict(vars(args))

@@ -42,9 +42,9 @@ def sync(device: torch.device) -> None:
 
 
 def timed_step(core: Any, device: torch.device) -> dict[str, float]:
-    """One engine step split into phases (the calls of ``EngineCore.step`` and
-    ``GpuModelRunner.execute_model`` / ``sample_tokens``)."""
-    from specloop.backends.torch_runner import ExecutedStep
+    """One engine step split into phases (the calls of ``EngineCore.step`` and the runner's
+    ``execute_model`` / ``sample_tokens``)."""
+    from specloop.backends.runner import ExecutedStep
 
     runner = core.runner
     t: dict[str, float] = {}
@@ -52,22 +52,15 @@ def timed_step(core: Any, device: torch.device) -> dict[str, float]:
     plan = core.scheduler.schedule()
     c1 = time.perf_counter()
     runner.update_states(plan)
-    runner._graph_logits = None
     c2 = time.perf_counter()
-    key = runner.graphs.lookup(plan) if runner.graphs is not None else None
-    batch = runner.batch_state.prepare(plan, runner.requests, pad_to=key[1] if key else None,
-                                       num_splits=runner.graphs.splits[key] if key else 0)
+    batch, key = runner.prepare_inputs(plan)
     c3 = time.perf_counter()
     sync(device)
     c4 = time.perf_counter()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-    if key is not None:
-        hidden, runner._graph_logits = runner.graphs.replay(key, batch.num_tokens)
-        aux: list[torch.Tensor] = []
-    else:
-        hidden, aux = runner.forward(batch)
+    out = runner.forward(batch, key)
     if device.type == "cuda":
         end.record()
         end.synchronize()
@@ -75,7 +68,7 @@ def timed_step(core: Any, device: torch.device) -> dict[str, float]:
     c5 = time.perf_counter()
     if device.type != "cuda":
         t["forward"] = c5 - c4
-    runner.executed = ExecutedStep(plan, batch, hidden, aux)
+    runner.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states)
     result = runner.sample_tokens()
     c6 = time.perf_counter()
     core.scheduler.update_from_output(plan, result)
@@ -152,7 +145,7 @@ def main() -> None:
     from tqdm import tqdm
 
     from specloop import LLM
-    from specloop.plugins.models.config import read_model_config
+    from specloop.models.config import read_model_config
 
     path = build_checkpoint(args.shape, args.ckpt_root, device)
     vocab = read_model_config(path).vocab_size

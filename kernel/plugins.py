@@ -19,9 +19,8 @@ DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 # ``@hookimpl`` functions; none is special-cased anywhere else.
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "specloop.backends.scripted",
-    "specloop.backends.torch_plugin",
-    "specloop.backends.gpu.plugin",
-    "specloop.plugins.models",
+    "specloop.backends.plugin",
+    "specloop.models.plugin",
     "specloop.plugins.kv_cache",
     "specloop.plugins.scheduler",
     "specloop.plugins.spec_metrics",

@@ -1,4 +1,4 @@
-"""Rejection sampling for speculative decoding: one Triton program per request (seed 000).
+"""Rejection sampling for speculative decoding: one Triton program per request (vLLM's layout).
 
 Layout (vLLM's flattened one): request ``r`` owns logits rows ``cu_num_logits[r] ..
 cu_num_logits[r + 1] - 1``; the first ``n_r = cu_num_logits[r + 1] - cu_num_logits[r] - 1`` rows
@@ -16,7 +16,7 @@ Per request, left to right over its drafts:
 Randomness is a counter-based hash of (request seed, sequence position, index): the acceptance
 uniform of position ``s`` uses index 0, the exponential noise of vocabulary id ``v`` index
 ``v + 1``. A seeded request therefore samples the same tokens whatever else is in the batch, on
-every run. ``specloop.proposers.rejection`` holds the torch implementation of the same hash and
+every run. ``specloop.sampling.noise`` holds the torch implementation of the same hash and
 the same algorithm (the reference this kernel is tested against).
 """
 

@@ -4,11 +4,11 @@
 ``softmax(logits / T)``: the log of the reference sampler's exponential race ``argmax(p / E)``. It
 needs no normalisation and no sort, so a row is one streaming pass (two with min-p, which needs the
 row maximum first). ``E = -log(U)`` uses the noise of the reference sampler and the rejection
-sampler (``specloop.proposers.rejection``): ``U`` hashes (request seed, sequence position of the
+sampler (``specloop.sampling.noise``): ``U`` hashes (request seed, sequence position of the
 sampled token, vocabulary id + 1), so a seeded request draws the same token here, in the torch
 sampler and as a bonus token after verification, whatever batch it shares. Rows with
 ``temperature == 0`` take the plain argmax. Top-k / top-p are applied beforehand by masking logits
-to ``-inf`` (see ``specloop.backends.gpu.sampler``).
+to ``-inf`` (see ``specloop.sampling.sampler.sample``).
 """
 
 from __future__ import annotations

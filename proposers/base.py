@@ -1,32 +1,57 @@
-"""The proposer seam: what a model runner hands every speculative proposer, and what it gets back.
+"""The proposer seam: what a model runner gives every speculative proposer, and what it gets back.
 
-A step's ``sample_tokens`` first verifies last step's drafts, then calls ``propose`` once for the
-whole batch (seed 000, ``propose_draft`` at the end of ``sample_tokens``). The drafts go back to the
-scheduler in ``post_step`` and are verified by the target in the next step.
+A proposer is built once per engine from the proposer registry as
+``factory(config=EngineConfig, context=ProposerContext)``: the context names what it may use of the
+target (device, dtype, shape, embedding and head, an attention backend for a model of its own), never
+the runner itself. Each step's ``sample_tokens`` first verifies the previous step's drafts, then
+calls :meth:`Proposer.propose` once for the whole batch with :class:`ProposerInputs`; the drafts
+go back to the scheduler in ``post_step`` and are verified by the target in the next step.
 
 ``ProposerInputs`` carries what any proposer needs, even where one ignores it: n-gram reads only
 the token ids; a draft model adds its own KV cache over the target's block table; EAGLE and MTP
 read the target's hidden states (all positions of the step, and the one each request sampled
-from) plus the tokens sampled after them (seed 000: previous hidden state + next token embedding,
-one step per draft); EAGLE-3 also reads the hidden states of ``hidden_state_layers``; Medusa reads
-the sampled positions' hidden states only. A proposer declares its needs as class attributes so
-the runner computes and keeps only what is asked for.
+from) plus the tokens sampled after them (previous hidden state + next token embedding, one step
+per draft); EAGLE-3 also reads the hidden states of ``hidden_state_layers``; Medusa reads the
+sampled positions' hidden states only. A proposer declares what it needs as attributes, so the
+runner computes and keeps only what is asked for.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from specloop.kernel.config import EngineConfig
     from specloop.kernel.outputs import SchedulerOutput
+    from specloop.kernel.plugins import Registry
     from specloop.kernel.sampling_params import SamplingParams
+    from specloop.models.attention import AttentionBackend
+    from specloop.models.config import ModelConfig
+    from specloop.models.ops import Ops
+
+
+@dataclass(frozen=True, slots=True)
+class ProposerContext:
+    """What a proposer may use of the engine it drafts for. Built once by the model runner."""
+
+    device: torch.device
+    dtype: torch.dtype  # the target's weights and activations
+    model_config: ModelConfig  # the target's shape (hidden size, layers, vocabulary, EOS ids, ...)
+    vocab_size: int
+    block_size: int  # the target's KV block size; a proposer cache indexed by its block table uses it too
+    models: Registry  # model architectures, to load a draft checkpoint with ``models.loader.load_model``
+    attention_backend: Callable[[], AttentionBackend]  # a new instance of the runner's attention backend
+    ops: Ops  # the op set the target's forward runs with
+    embed_tokens: nn.Module  # the target's input embedding (EAGLE and MTP share it)
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # the target's hidden states -> logits
+    target: Any = None  # the target ``nn.Module`` itself, for proposers that read more of it
 
 
 @dataclass(slots=True)
@@ -44,8 +69,10 @@ class ProposerInputs:
     num_rejected: np.ndarray  # [B]
     sampling_params: list[SamplingParams]
     # Per-request sampling seed for draft sampling (the runner's, derived from SamplingParams.seed
-    # or its own generator), so seeded requests draft reproducibly.
+    # or the engine seed), so seeded requests draft reproducibly.
     seeds: np.ndarray  # [B] int64
+    # The request's EOS ids (min_tokens bans them while drafting too).
+    eos_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     # The target's block table per request (proposers with their own KV cache index it too).
     block_ids: list[list[int]] = field(default_factory=list)
     # The target's forward this step: rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the
@@ -64,24 +91,15 @@ class ProposerInputs:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    @property
-    def sampled_hidden_states(self) -> torch.Tensor | None:
-        """``[B, H]``: the hidden state each request's newest token was sampled from (Medusa's
-        and MTP's first-step input)."""
-        if self.hidden_states is None or self.sampled_rows is None:
-            return None
-        import torch
-
-        return self.hidden_states[torch.as_tensor(self.sampled_rows, device=self.hidden_states.device)]
-
 
 @dataclass(slots=True)
 class DraftProposal:
     """Next-step drafts, in ``ProposerInputs`` order. Set by the proposer."""
 
     draft_token_ids: list[list[int]]
-    # Per request ``[len(drafts), V]`` float32 probabilities each draft was sampled from, for
-    # proposers with ``returns_draft_probs``; None rows (and greedy requests) mean one-hot.
+    # Per request ``[len(drafts), V]`` float32 probabilities each draft was sampled from; None (the
+    # whole field, or a row) means the drafts were deterministic: the rejection sampler treats them
+    # as one-hot.
     draft_probs: list[torch.Tensor | None] | None = None
 
 
@@ -98,32 +116,28 @@ def draft_limits(config: EngineConfig, inputs: ProposerInputs, k: int) -> np.nda
 
 
 class Proposer(ABC):
-    """A speculative proposer. Built by ``factory(config, runner)`` from the proposer registry,
-    then called directly by the runner once per step.
+    """A speculative proposer, built by ``factory(config=..., context=...)`` from the proposer
+    registry, then called directly by the model runner once per step.
 
-    Class attributes tell the runner what to provide and reserve.
+    Its attributes tell the runner what to provide and reserve.
     """
 
     # Fill ProposerInputs.hidden_states / sampled_rows / query_start_loc / positions.
-    needs_hidden_states: ClassVar[bool] = False
-    # Target layers whose outputs go to ProposerInputs.aux_hidden_states (EAGLE-3).
+    needs_hidden_states: bool = False
+    # Target layers whose input stream goes to ProposerInputs.aux_hidden_states (EAGLE-3).
     hidden_state_layers: tuple[int, ...] = ()
-    # The proposer keeps a paged KV cache indexed by the target's block table; the runner sizes the
-    # block pool with ``kv_cache_bytes_per_block`` added to its own.
-    has_kv_cache: ClassVar[bool] = False
-    # ``DraftProposal.draft_probs`` is filled; the rejection sampler then uses min(1, p/q).
-    returns_draft_probs: ClassVar[bool] = False
 
-    def __init__(self, config: EngineConfig, runner: Any = None) -> None:
+    def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config
         if spec is None or isinstance(spec, (dict, str)):
             raise ValueError("a proposer needs a resolved speculative_config")
         self.config = config
-        self.runner = runner
+        self.context = context
         self.num_speculative_tokens = spec.num_speculative_tokens
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes of this proposer's KV cache per block of the target's pool (0: none)."""
+        """Bytes of this proposer's own paged KV cache per block of the target's pool (0: it keeps
+        none). The runner sizes the shared block pool with this added to the target's."""
         return 0
 
     def initialize(self, num_kv_blocks: int) -> None:

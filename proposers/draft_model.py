@@ -15,16 +15,18 @@ prompt after admission), then one token per further draft. Rejected slots are si
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
-from specloop.backends import sampler as sampling
-from specloop.backends.attention import AttentionMetadata, ForwardContext
 from specloop.kernel.config import EngineConfig
+from specloop.models.attention import AttentionMetadata
+from specloop.models.context import ForwardContext
+from specloop.models.loader import load_model
+from specloop.sampling import sampler as sampling
+from specloop.sampling.noise import exponential_race, position_key
 
-from .base import DraftProposal, Proposer, ProposerInputs, draft_limits
-from .rejection import exponential_race, position_key
+from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 # Draft noise must be independent of the target's (same seed and position), or the recovery
 # sample after a rejection would be correlated with the rejected draft.
@@ -35,24 +37,21 @@ class DraftModelProposer(Proposer):
     """``speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``;
     ``draft_dtype`` overrides the target's dtype for the draft."""
 
-    has_kv_cache = True
-    returns_draft_probs = True
-
-    def __init__(self, config: EngineConfig, runner: Any) -> None:
-        super().__init__(config, runner)
-        from specloop.plugins.models.loader import load_model
-
+    def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
+        super().__init__(config, context)
         spec = config.speculative_config
-        self.device = runner.device
-        self.model, self.model_config = load_model(spec.model, runner.plugins.models, self.device,
-                                                   spec.draft_dtype or runner.dtype)
-        if self.model_config.vocab_size != runner.vocab_size:
+        if not spec.model:
+            raise ValueError("speculative_config.method='draft_model' needs 'model' (a local checkpoint path)")
+        self.device = context.device
+        self.model, self.model_config = load_model(spec.model, context.models, self.device,
+                                                   spec.draft_dtype or context.dtype)
+        if self.model_config.vocab_size != context.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.model_config.vocab_size}) differs from the "
-                             f"target's ({runner.vocab_size}); it must share the target's tokenizer")
+                             f"target's ({context.vocab_size}); it must share the target's tokenizer")
         self.dtype = next(self.model.parameters()).dtype
-        self.attn_backend = runner.attn_backend
-        self.block_size = runner.block_size
-        self.eos_token_ids = tuple(runner.model_config.eos_token_ids)
+        self.attn_backend = context.attention_backend()
+        self.ops = context.ops
+        self.block_size = context.block_size
         self.kv_caches: list[torch.Tensor] = []
         # Per request: positions whose draft KV was written by the last proposal (an upper bound on
         # what is still valid; see the module docstring).
@@ -103,10 +102,8 @@ class DraftModelProposer(Proposer):
         """Run the draft model over each live request's ``feed`` (first position, token ids);
         returns the hidden state of each request's last fed token."""
         bs = self.block_size
-        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        max_blocks = max(len(inputs.block_ids[i]) for i in live)
-        block_tables = torch.zeros(len(live), max_blocks, dtype=torch.int32)
-        for k, i in enumerate(live):
+        input_ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for i in live:
             start, tokens = feed[i]
             blocks = inputs.block_ids[i]
             end = start + len(tokens)
@@ -118,19 +115,13 @@ class DraftModelProposer(Proposer):
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + len(tokens))
             seq_lens.append(end)
-            block_tables[k, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            tables.append(blocks)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
-            max_query_len=max(qsl[k + 1] - qsl[k] for k in range(len(live))),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        meta = AttentionMetadata.build(qsl, seq_lens, slots, tables, dev)
+        ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
         with torch.inference_mode():
             hidden, _ = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                                   torch.tensor(positions, dtype=torch.int64, device=dev),
-                                   ForwardContext(self.attn_backend, meta, self.kv_caches))
+                                   torch.tensor(positions, dtype=torch.int64, device=dev), ctx)
         return hidden[torch.tensor(qsl[1:], device=dev) - 1]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,7 +137,7 @@ class DraftModelProposer(Proposer):
             params = inputs.sampling_params[i]
             tokens = inputs.token_ids[i]
             num_prompt = int(inputs.num_prompt_tokens[i])
-            stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            stop_ids = sampling.stop_token_ids(params, inputs.eos_token_ids[i])
             rows.append(sampling.SamplingRow(params, int(inputs.seeds[i]) ^ _DRAFT_SEED_SALT,
                                              len(tokens) + len(drafts[i]), tokens[:num_prompt].tolist(),
                                              tokens[num_prompt:].tolist() + drafts[i], stop_ids))

@@ -11,14 +11,12 @@ same continuation.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specloop.kernel.config import EngineConfig
 
-from .base import DraftProposal, Proposer, ProposerInputs, draft_limits
+from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 
 def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -45,8 +43,8 @@ class NgramProposer(Proposer):
     """``speculative_config={"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_min": m, "prompt_lookup_max": M}``. Needs nothing from the target model."""
 
-    def __init__(self, config: EngineConfig, runner: Any = None) -> None:
-        super().__init__(config, runner)
+    def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
+        super().__init__(config, context)
         spec = config.speculative_config
         self.min_n = int(spec.prompt_lookup_min or 1)
         self.max_n = int(spec.prompt_lookup_max or self.min_n)

@@ -231,7 +231,7 @@ def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, ma
         tv = 0.5 * float((counts / num_draws - probs).abs().sum())
         assert tv < max_tv, f"row {r}: total variation {tv:.3f} from softmax(logits / T)"
     # Same seeds and positions as the torch reference sampler: the same tokens.
-    from specloop.backends.sampler import SamplingMetadata, SamplingRow, sample
+    from specloop.sampling.sampler import SamplingMetadata, SamplingRow, sample
     from specloop.kernel.sampling_params import SamplingParams
 
     n = min(num_draws, 64)
@@ -283,7 +283,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                           num_splits=splits)
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           num_splits=splits)
-            from specloop.backends.gpu.attention import TritonAttentionBackend
+            from specloop.backends.gpu.triton_attention import TritonAttentionBackend
 
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,

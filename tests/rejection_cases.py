@@ -136,7 +136,7 @@ def build(case: DistCase) -> Batch:
 
 def processed_target(batch_logits: torch.Tensor, params: Params) -> torch.Tensor:
     """What ``backends/sampler.py`` makes of a processed case's logits."""
-    from specloop.backends import sampler as sampling
+    from specloop.sampling import sampler as sampling
     from specloop.kernel.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,

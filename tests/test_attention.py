@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specloop.backends.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, write_kv
+from specloop.models.context import ForwardContext
+from specloop.models.attention import AttentionMetadata, TorchAttentionBackend, write_kv
 
 BLOCK = 4
 NUM_BLOCKS = 40

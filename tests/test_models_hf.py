@@ -12,14 +12,15 @@ import pytest
 import torch
 from hf_models import VARIANTS, build, prompts, tiny
 
-from specloop.backends.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend
+from specloop.models.context import ForwardContext
+from specloop.models.attention import AttentionMetadata, TorchAttentionBackend
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.engine_core import EngineCore
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.request import Request
 from specloop.kernel.sampling_params import SamplingParams
-from specloop.plugins.models.config import ModelLoadError, read_model_config
-from specloop.plugins.models.loader import load_model
+from specloop.models.config import ModelLoadError, read_model_config
+from specloop.models.loader import load_model
 
 MODELS = PluginManager(load_entrypoints=False).models
 
@@ -111,7 +112,7 @@ def test_dtype_auto_and_explicit() -> None:
     assert ours.lm_head.weight.dtype == torch.float32
     ours, _ = load_model(path, MODELS, "cpu", "bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
-    assert ours.layers[0].self_attn.rotary.inv_freq.dtype == torch.float32
+    assert ours.layers[0].self_attn.rotary.cos.dtype == ours.rotary.sin.dtype == torch.float32
     tokens = prompts(1, seed=13)[0]
     # bfloat16 keeps the same argmax on these peaked logits almost everywhere.
     agree = (forward_logits(ours, tokens).argmax(-1) == tiny("qwen2").logits(tokens).argmax(-1)).float().mean()

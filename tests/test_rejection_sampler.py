@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from specloop.backends import sampler as sampling
+from specloop.sampling import sampler as sampling
 from specloop.kernel.sampling_params import SamplingParams
-from specloop.proposers.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample_torch
-from specloop.proposers.verify import RejectionSampler
+from specloop.sampling.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample_torch
+from specloop.sampling.rejection import RejectionSampler
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -30,7 +30,7 @@ import torch
 from server_fixtures import ServerThread, make_engine, scrape
 from tokenizer_helpers import build_tokenizer
 
-from specloop.backends.sampler import SamplingMetadata, SamplingRow, probabilities, process_logits, sample
+from specloop.sampling.sampler import SamplingMetadata, SamplingRow, probabilities, process_logits, sample
 from specloop.cli import build_parser
 from specloop.frontend.async_engine import AsyncEngine
 from specloop.frontend.detokenizer import IncrementalDetokenizer

@@ -12,7 +12,7 @@ from hf_models import prompts, tiny
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
-from specloop.backends import sampler as S
+from specloop.sampling import sampler as S
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.engine_core import EngineCore
 from specloop.kernel.request import Request

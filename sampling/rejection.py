@@ -1,13 +1,14 @@
-"""The rejection sampler a model runner verifies drafts with.
+"""Verification of drafts: the rejection sampler a model runner calls, and its torch reference.
 
-It sees the target's raw logits at every sampled row (``len(drafts) + 1`` rows per request: one
-per draft plus the bonus row; one row for a request without drafts) and applies the normal
-sampler's processing to each row before accepting or rejecting (``backends/sampler.py``): logit
+The sampler sees the target's raw logits at every sampled row (``len(drafts) + 1`` rows per
+request: one per draft plus the bonus row; one row for a request without drafts) and applies the
+normal sampler's processing to each row before accepting or rejecting (:mod:`.sampler`): logit
 bias, min_tokens, penalties (the drafts before a row count as generated output), then greedy
 argmax, or temperature, min-p, top-k and top-p. The accept/reject step runs in the Triton kernel
-(``specloop.kernels.rejection_sample``) on CUDA and in the torch reference elsewhere; both draw
-the same counter-hashed noise as the normal sampler, so a request without drafts samples the very
-token ``backends.sampler.sample`` would.
+(``specloop.kernels.rejection_sample``) on CUDA and in :func:`rejection_sample_torch` elsewhere;
+both draw the same counter-hashed noise as the normal sampler, so a request without drafts samples
+the very token :func:`.sampler.sample` would. The reference is written the way gpt-fast's
+``speculative_decode`` is, batched over requests.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Literal, Sequence
 
 import torch
 
-from specloop.backends import sampler as sampling
+from . import sampler as sampling
+from .noise import exponential_noise, hashed_uniform, position_key
 
-from .rejection import rejection_sample_torch
+PLACEHOLDER_TOKEN_ID = -1
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -123,3 +125,62 @@ class RejectionSampler:
             else:
                 q[rows] = probs[:n].to(device=q.device, dtype=q.dtype)
         return q
+
+
+def rejection_sample_torch(
+    target_probs: torch.Tensor | None,
+    target_argmax: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    cu_num_logits: torch.Tensor,
+    greedy: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_spec_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept/reject every request's drafts; the arguments and results of
+    :func:`specloop.kernels.rejection_sample.rejection_sample`."""
+    device = target_argmax.device
+    num_reqs = cu_num_logits.numel() - 1
+    cu = cu_num_logits.to(torch.int64)
+    start, num_drafts = cu[:-1], cu[1:] - cu[:-1] - 1
+    j = torch.arange(max_spec_len, device=device)
+    valid = j[None, :] < num_drafts[:, None]
+    rows = start[:, None] + torch.minimum(j[None, :], num_drafts[:, None].clamp_min(0))
+    draft = draft_token_ids.to(torch.int64)[rows]
+
+    ok = target_argmax[rows].to(torch.int64) == draft
+    sampled = ~greedy.to(torch.bool)
+    if target_probs is not None and bool(sampled.any()):
+        p_d = target_probs[rows, draft]
+        q_d = draft_probs[rows, draft] if draft_probs is not None else torch.ones_like(p_d)
+        u = hashed_uniform(position_key(seeds[:, None], positions[:, None] + j[None, :]), 0)
+        # accept with prob min(1, p/q): u < p/q, written as u*q < p so that q == 0 cannot divide
+        ok = torch.where(sampled[:, None], u * q_d < p_d, ok)
+    ok &= valid
+    # accept_length: drafts accepted before the first rejection
+    stop = ok.to(torch.int64).cumprod(dim=1).sum(dim=1) if max_spec_len else torch.zeros_like(start)
+    final_row = start + stop
+    rejected = stop < num_drafts
+
+    token = target_argmax[final_row].to(torch.int64)
+    if target_probs is not None and bool(sampled.any()):
+        idx = sampled.nonzero().squeeze(1)
+        p = target_probs[final_row[idx]]
+        d = draft_token_ids.to(torch.int64)[final_row[idx]]  # the rejected draft (bonus row: unused)
+        if draft_probs is not None:
+            q = draft_probs[final_row[idx]] * rejected[idx, None]
+        else:
+            q = torch.zeros_like(p).scatter_(1, d[:, None], 1.0) * rejected[idx, None]
+        # else sample from norm(max(p - q, 0)) (at the bonus row q = 0, so from p)
+        e = exponential_noise(position_key(seeds[idx], positions[idx] + stop[idx]), p.shape[1])
+        score = (p - q).clamp_min(0.0) / e
+        best, best_id = score.max(dim=1)
+        # An all-zero residual after a rejection means p == q up to rounding, where the draft is
+        # accepted with probability 1 - O(eps): keep the draft.
+        token[idx] = torch.where(best > 0, best_id, d)
+
+    out = torch.where(j[None, :] < stop[:, None], draft, PLACEHOLDER_TOKEN_ID)
+    out = torch.cat([out, torch.full((num_reqs, 1), PLACEHOLDER_TOKEN_ID, device=device, dtype=torch.int64)], 1)
+    out.scatter_(1, stop[:, None], token[:, None])
+    return out.to(torch.int32), stop.to(torch.int32)

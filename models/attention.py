@@ -1,9 +1,10 @@
 """Paged attention: the interface every attention backend implements, and the torch reference.
 
-The model runner packs one step's scheduled tokens into a ragged batch (``T`` tokens of ``B``
-requests, request ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``) and builds one
-:class:`AttentionMetadata` for it. Each attention layer then calls its backend's :meth:`forward`
-through the :class:`ForwardContext`, which
+Whoever runs a model (the model runner, or a proposer running a draft model over its own cache)
+packs the step's tokens into a ragged batch (``T`` tokens of ``B`` requests, request ``i`` owning
+rows ``query_start_loc[i]:query_start_loc[i+1]``), builds one :class:`AttentionMetadata` for it,
+and passes a ``ForwardContext`` (:mod:`.context`) to the model. Each attention layer, through the context's
+ops, then
 
 1. writes the step's new K/V rows into the paged cache at ``slot_mapping`` (slot = block id *
    block_size + offset), and
@@ -14,15 +15,19 @@ through the :class:`ForwardContext`, which
 
 This is correct for any mix of prefills, chunked prefills, prefix-cache hits (the context was
 written by another request), decodes and speculative verification (several new tokens per request).
-The torch backend is the CPU path and the oracle for faster backends.
+The torch backend is the CPU path and the oracle for faster backends (the ``"triton"`` backend of
+the GPU runner shares its cache layout, so either reads a cache the other wrote).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
+
+# [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row.
+PAGED_KV_LAYOUT = "paged_nhd"
 
 
 @dataclass(slots=True)
@@ -44,12 +49,35 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @classmethod
+    def build(cls, query_start_loc: list[int], seq_lens: list[int], slot_mapping: Sequence[int],
+              block_tables: Sequence[Sequence[int]], device: torch.device) -> AttentionMetadata:
+        """From host lists: ``block_tables[i]`` is request ``i``'s block ids (rows are 0-padded)."""
+        table = torch.zeros(len(block_tables), max((len(b) for b in block_tables), default=1) or 1,
+                            dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return cls(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+            block_tables=table.to(device, non_blocking=True),
+            max_query_len=max((query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))),
+                              default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=list(query_start_loc),
+            seq_lens_cpu=list(seq_lens),
+        )
+
 
 class AttentionBackend(Protocol):
     """What a backend provides. One instance serves every layer; the KV cache of each layer is a
     tensor the runner allocates with :meth:`kv_cache_shape` and passes back on every call."""
 
     name: str
+    # PAGED_KV_LAYOUT when the cache is laid out like the torch backend's; fused kernels that write
+    # K/V themselves (``ops.TritonOps``) only do so for that layout, then call :meth:`attend`.
+    kv_layout: str
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""
@@ -59,19 +87,8 @@ class AttentionBackend(Protocol):
         """Write ``k``/``v`` ([T, Hkv, D]) into ``kv_cache`` at ``meta.slot_mapping``, then return
         attention of ``q`` ([T, Hq, D], Hq a multiple of Hkv) over the cached context, [T, Hq, D]."""
 
-
-@dataclass(slots=True)
-class ForwardContext:
-    """Everything attention layers need for one forward pass. Built by whoever runs the model (the
-    model runner, or a proposer running a draft model over its own cache)."""
-
-    backend: AttentionBackend
-    metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # one per layer
-
-    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.metadata, scale)
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """:meth:`forward` for a cache that already holds this step's K/V."""
 
 
 class TorchAttentionBackend:
@@ -81,6 +98,7 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    kv_layout = PAGED_KV_LAYOUT
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -91,9 +109,12 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         block_size = key_cache.shape[1]
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // key_cache.shape[2]
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):

@@ -9,9 +9,9 @@ from __future__ import annotations
 from specloop.kernel.hookspecs import Register, hookimpl
 
 ARCHITECTURES = {
-    "LlamaForCausalLM": "specloop.plugins.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "specloop.plugins.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "specloop.plugins.models.qwen3:Qwen3ForCausalLM",
+    "LlamaForCausalLM": "specloop.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "specloop.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "specloop.models.qwen3:Qwen3ForCausalLM",
 }
 
 

@@ -1,5 +1,5 @@
-"""The GPU-resident persistent batch (seed 004 §10.2): request state that lives on the device across
-steps, and one step's inputs built from it with O(requests) host work.
+"""The GPU-resident persistent batch: request state that lives on the device across steps, and one
+step's inputs built from it with O(requests) host work.
 
 Per request *slot* the device keeps the token ids (prompt, committed output, then drafts), the block
 table and the sampling parameters the fast sampler reads. They change incrementally: a new request
@@ -19,12 +19,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specloop.backends.input_batch import InputBatch, RequestState
 from specloop.kernel.outputs import SchedulerOutput
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.kernels.prepare_inputs import prepare_inputs
 
-from .attention import GpuAttentionMetadata
+from ..batch import BatchLayout, InputBatch
+from ..requests import CachedRequestState, PlanChanges
+from .triton_attention import GpuAttentionMetadata
 
 
 def plain_sampling(params: SamplingParams) -> bool:
@@ -74,7 +75,16 @@ class PersistentBatch:
 
     # --- request lifecycle ----------------------------------------------------------------------
 
-    def add(self, state: RequestState) -> None:
+    def update(self, changes: PlanChanges) -> None:
+        """Mirror the runner's request table after a plan was applied to it."""
+        for rid in changes.removed:
+            self.remove(rid)
+        for state in changes.added:
+            self.add(state)
+        for state in changes.updated:
+            self.update_running(state)
+
+    def add(self, state: CachedRequestState) -> None:
         """A new or resumed request: all its tokens, its block table and sampling parameters."""
         if state.req_id in self.slots:
             self.remove(state.req_id)
@@ -102,7 +112,7 @@ class PersistentBatch:
         for d in (self.device_len, self.device_blocks, self.sampled_on_device, self.plain):
             d.pop(req_id, None)
 
-    def update(self, state: RequestState) -> None:
+    def update_running(self, state: CachedRequestState) -> None:
         """A running request after the plan's committed tokens and new blocks were appended to
         ``state``: send the device what it lacks."""
         rid = state.req_id
@@ -140,72 +150,37 @@ class PersistentBatch:
             index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             self.temperature.index_copy_(0, index, torch.tensor(temps, dtype=torch.float32).to(self.device))
             self.min_p.index_copy_(0, index, torch.tensor(min_ps, dtype=torch.float32).to(self.device))
-            self.seeds.index_copy_(0, index, torch.tensor([_to_int64(s) for s in seeds],
+            self.seeds.index_copy_(0, index, torch.tensor(seeds,
                                                           dtype=torch.int64).to(self.device))
             self._param_writes.clear()
 
     # --- one step -------------------------------------------------------------------------------
 
-    def prepare(self, plan: SchedulerOutput, requests: dict[str, RequestState], pad_to: int | None = None,
+    def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
                 num_splits: int = 0) -> InputBatch:
-        """The step's :class:`InputBatch` (the reference ``prepare_inputs``'s contract). With
-        ``pad_to``, batch rows up to it are padding for a CUDA graph of that many requests."""
-        req_ids = list(plan.num_scheduled_tokens)
-        num_reqs = len(req_ids)
-        slots, starts, qsl, seq_lens = [], [], [0], []
-        specs: list[list[int]] = []
-        sample_rows: list[tuple[int, int]] = []
-        prompt_rows: list[tuple[int, int]] = []
-        token_rows: list[int] = []
-        sample_req_rows: list[int] = []
-        for i, rid in enumerate(req_ids):
-            state = requests[rid]
-            n = plan.num_scheduled_tokens[rid]
-            start = state.num_computed_tokens
-            spec = plan.scheduled_spec_decode_tokens.get(rid, [])
-            end = start + n
-            known = len(state.token_ids)
-            if end > known + len(spec):
-                raise ValueError(f"plan schedules request {rid!r} past its known tokens "
-                                 f"({end} > {known} + {len(spec)} drafts)")
-            if end > len(state.block_ids) * self.block_size:
-                raise ValueError(f"plan schedules request {rid!r} past its KV blocks "
-                                 f"({end} > {len(state.block_ids)} * {self.block_size})")
-            slot = self.slots[rid]
+        """The step's :class:`InputBatch`. With ``pad_to``, batch rows up to it are padding for a
+        CUDA graph of that many requests."""
+        lay = BatchLayout.from_plan(plan, requests, self.block_size)
+        num_reqs = len(lay.req_ids)
+        slots = [self.slots[rid] for rid in lay.req_ids]
+        for slot, rid, spec in zip(slots, lay.req_ids, lay.specs):
             if spec:
-                self._token_writes.append((slot, known, list(spec)))
-            first_row = qsl[-1]
-            if state.sampling_params.prompt_logprobs is not None:
-                last = min(end, state.num_prompt_tokens - 1)
-                count = max(0, last - start)
-                prompt_rows.append((len(token_rows), count))
-                token_rows.extend(range(first_row, first_row + count))
-            else:
-                prompt_rows.append((len(token_rows), 0))
-            num_sample = len(spec) + 1 if end == known + len(spec) else 0
-            sample_rows.append((len(token_rows), num_sample))
-            token_rows.extend(range(first_row + n - num_sample, first_row + n))
-            sample_req_rows.extend([i] * num_sample)
-            slots.append(slot)
-            starts.append(start)
-            qsl.append(first_row + n)
-            seq_lens.append(end)
-            specs.append(list(spec))
+                self._token_writes.append((slot, len(requests[rid].token_ids), spec))
         self.flush_writes()
-        num_tokens = qsl[-1]
+        num_tokens = lay.num_tokens
         rows = pad_to or num_reqs
         if num_tokens > self.max_tokens or rows > self.max_reqs:
             raise ValueError(f"step of {num_tokens} tokens / {rows} requests exceeds the device batch "
                              f"({self.max_tokens} / {self.max_reqs})")
         host, off = self._host_np, self._off
         host[off[0]:off[0] + num_reqs] = slots
-        host[off[1]:off[1] + num_reqs] = starts
-        host[off[2]:off[2] + num_reqs + 1] = qsl
+        host[off[1]:off[1] + num_reqs] = lay.starts
+        host[off[2]:off[2] + num_reqs + 1] = lay.query_start_loc
         host[off[2] + num_reqs + 1:off[2] + rows + 1] = num_tokens  # padding requests own no tokens
-        host[off[3]:off[3] + num_reqs] = seq_lens
+        host[off[3]:off[3] + num_reqs] = lay.seq_lens
         host[off[3] + num_reqs:off[3] + rows] = 0
-        host[off[4]:off[4] + len(sample_req_rows)] = sample_req_rows
-        host[off[5]:off[5] + len(token_rows)] = token_rows
+        host[off[4]:off[4] + len(lay.sample_req_rows)] = lay.sample_req_rows
+        host[off[5]:off[5] + len(lay.token_rows)] = lay.token_rows
         self._dev.copy_(self._host, non_blocking=True)
         torch.index_select(self.block_table, 0, self.req_slots[:num_reqs], out=self.block_tables[:num_reqs])
         if pad_to:
@@ -218,25 +193,14 @@ class PersistentBatch:
             seq_lens=self.seq_lens[:num_reqs],
             slot_mapping=self.slot_mapping[:num_tokens],
             block_tables=self.block_tables[:num_reqs],
-            max_query_len=max(plan.num_scheduled_tokens.values(), default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
+            max_query_len=lay.max_query_len,
+            max_seq_len=max(lay.seq_lens, default=0),
+            query_start_loc_cpu=lay.query_start_loc,
+            seq_lens_cpu=lay.seq_lens,
             num_splits=num_splits,
         )
-        return InputBatch(
-            req_ids=req_ids,
-            num_scheduled_tokens=[plan.num_scheduled_tokens[r] for r in req_ids],
-            num_computed_tokens=starts,
-            spec_token_ids=specs,
-            input_ids=self.input_ids[:num_tokens],
-            positions=self.positions[:num_tokens],
-            attn_metadata=meta,
-            query_start_loc=qsl,
-            logits_indices=self.logits_indices[:len(token_rows)],
-            sample_rows=sample_rows,
-            prompt_rows=prompt_rows,
-        )
+        return InputBatch(lay, self.input_ids[:num_tokens], self.positions[:num_tokens], meta,
+                          self.logits_indices[:len(lay.token_rows)])
 
     def write_sampled(self, tokens: torch.Tensor) -> None:
         """Store the tokens just sampled, one per entry of ``sample_req_rows``, into their requests'
@@ -249,7 +213,3 @@ class PersistentBatch:
     def note_sampled(self, req_id: str, position: int, token: int) -> None:
         self.sampled_on_device[req_id] = (position, token)
 
-
-def _to_int64(seed: int) -> int:
-    seed &= (1 << 64) - 1
-    return seed - (1 << 64) if seed >= 1 << 63 else seed

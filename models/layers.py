@@ -1,14 +1,30 @@
-"""Building blocks shared by the decoder architectures: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the decoder architectures: RMSNorm, rotary embedding, gated MLP. They
+hold weights and tables; the math runs in the ops of the forward context (:mod:`.ops`)."""
 
 from __future__ import annotations
 
 import math
 
+from typing import Protocol
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import RopeConfig
+
+
+class _SiluAndMul(Protocol):
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference RMSNorm over the last dim: float32 statistics, the normalised value rounded back
+    to ``x``'s dtype before the weight multiplies it, as Hugging Face's layers do (so half-precision
+    results match theirs bit for bit in the common case)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -18,12 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference implementations do,
-        # so half-precision results match them bit for bit in the common case.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -48,24 +59,31 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (the first and second halves of each head rotate together)."""
+    """Neox-style rotary embedding (the first and second halves of each head rotate together), with
+    float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]`` computed once (the same float32
+    products as computing them per call). One per model, shared by its attention layers."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        self.rope, self.head_dim = rope, head_dim
-        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2, dtype=torch.float32), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """Recompute the (non-checkpoint) frequencies in float32 after the loader materialised the
-        module from the meta device."""
-        self.inv_freq = rope_inv_freq(self.rope, self.head_dim).to(self.inv_freq.device)
+        """Compute the tables (not part of any checkpoint) in float32, also after the loader
+        materialised the module from the meta device."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
+        freqs = torch.arange(self.max_positions, device=device).float()[:, None] * inv_freq.float()[None, :]
+        self.cos = freqs.cos().contiguous()
+        self.sin = freqs.sin().contiguous()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` [T]; ``q`` [T, Hq, D]; ``k`` [T, Hkv, D]."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        cos = torch.cat((self.cos[positions],) * 2, dim=-1).to(q.dtype)[:, None, :]
+        sin = torch.cat((self.sin[positions],) * 2, dim=-1).to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -83,6 +101,5 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: _SiluAndMul) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -1,5 +1,5 @@
 """The ``"triton"`` attention backend: the paged-attention interface of
-``specloop.backends.attention`` on the Triton kernels (KV write by slot mapping, then one ragged
+``specloop.models.attention`` on the Triton kernels (KV write by slot mapping, then one ragged
 paged-attention launch for the whole batch)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from specloop.backends.attention import AttentionMetadata
+from specloop.models.attention import PAGED_KV_LAYOUT, AttentionMetadata
 from specloop.kernels.kv_write import kv_write
 from specloop.kernels.paged_attention import choose_num_splits, paged_attention
 
@@ -30,6 +30,7 @@ class TritonAttentionBackend:
     the torch backend's, so either backend reads a cache the other wrote."""
 
     name = "triton"
+    kv_layout = PAGED_KV_LAYOUT
 
     # (keys per tile, warps, pipeline stages) tried for decode batches by :meth:`tune_decode`.
     DECODE_CONFIGS = ((64, 4, 2), (128, 4, 2), (32, 4, 2), (128, 8, 2))

@@ -10,10 +10,11 @@ from :class:`SamplingMetadata`. The order follows vLLM's sampler:
 4. greedy rows: argmax; random rows: :func:`apply_temperature`, :func:`apply_min_p`,
    :func:`apply_top_k_top_p`, softmax, then an exponential race (:func:`sample_from_probs`).
 
-Randomness is a counter-based hash of (request seed, token position, vocabulary id), shared with
-the rejection sampler (``specloop.proposers.rejection``) and its Triton kernel: a row's sample
-depends only on its own request and position, never on which other requests share the batch, how
-prefills were chunked, or whether the token came from a verification step.
+Randomness is a counter-based hash of (request seed, token position, vocabulary id)
+(:mod:`.noise`), shared with the rejection sampler and the Triton kernels: a row's sample depends
+only on its own request and position, never on which other requests share the batch, how prefills
+were chunked, or whether the token came from a verification step. On CUDA the draw itself can run
+in the Gumbel-max kernel (``sample(..., use_kernel=True)``) with the same noise.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import torch
 
 from specloop.kernel.outputs import TokenLogprobs
 from specloop.kernel.sampling_params import SamplingParams
-from specloop.proposers.rejection import exponential_race, position_key
+from .noise import exponential_race, position_key
 
 # Valid but extreme parameters (temperature 1e39, repetition_penalty 1e-40) overflow float32; a
 # softmax over +inf is NaN, and a NaN distribution samples token 0 whatever the model says. The
 # steps below keep every logit finite or -inf (masked).
 _F32 = torch.finfo(torch.float32)
+
 
 @dataclass(slots=True)
 class SamplingRow:
@@ -119,6 +121,15 @@ class SamplingMetadata:
             banned=(index(ban_rows), index(ban_ids)) if ban_rows else None,
             num_logprobs=[p.logprobs for p in params],
         )
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids ``min_tokens`` bans: the request's ``stop_token_ids`` plus its EOS ids unless
+    ``ignore_eos``."""
+    ids = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids += [t for t in eos_token_ids if t not in ids]
+    return ids
 
 
 def seed_to_int64(seed: int) -> int:
@@ -218,9 +229,22 @@ def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return exponential_race(probs, position_key(meta.seeds, meta.positions))
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """One token per row from raw float32 logits [R, V]. Returns int64 [R]."""
+def sample(logits: torch.Tensor, meta: SamplingMetadata, use_kernel: bool = False) -> torch.Tensor:
+    """One token per row from raw float32 logits [R, V]. Returns int64 [R].
+
+    ``use_kernel`` draws with the Triton Gumbel-max kernel: temperature, min-p and the draw in one
+    pass. Top-p depends on temperature and min-p, so rows that use top-k / top-p are masked by the
+    torch steps first and drawn at temperature 1. Greedy rows take the argmax of the processed
+    logits either way (the masks keep the maximum)."""
     logits = process_logits(logits, meta)
+    if use_kernel:
+        from specloop.kernels.sampling import gumbel_sample
+
+        if meta.top_k is None and meta.top_p is None:
+            return gumbel_sample(logits, meta.temperature, meta.seeds, meta.positions, min_p=meta.min_p)
+        masked = apply_top_k_top_p(apply_min_p(apply_temperature(logits, meta), meta), meta)
+        unit = torch.where(meta.greedy, 0.0, 1.0).to(torch.float32)
+        return gumbel_sample(masked.contiguous(), unit, meta.seeds, meta.positions)
     greedy_tokens = logits.argmax(dim=-1)
     if meta.all_greedy:
         return greedy_tokens

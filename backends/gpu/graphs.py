@@ -1,4 +1,4 @@
-"""CUDA graphs of the fused forward for uniform batches (seed 004 §10.4, "full graph").
+"""CUDA graphs of the forward for uniform batches ("full graphs").
 
 A batch is *uniform* when every request computes the same number ``q`` of tokens: ``q = 1`` for
 plain decode, ``q = K + 1`` for verifying K drafts. One graph per (q, padded request count) is
@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any
+from typing import Callable
 
 import torch
 
-from specloop.backends.attention import ForwardContext
 from specloop.kernel.outputs import SchedulerOutput
 from specloop.kernels.paged_attention import choose_num_splits
 
-from .attention import GpuAttentionMetadata
-from .forward import fused_forward
+from ..batch import InputBatch
+from ..executor import EagerExecutor, ForwardOutput, GraphKey
+from .persistent_batch import PersistentBatch
+from .triton_attention import GpuAttentionMetadata
 
 logger = logging.getLogger("specloop")
 
@@ -35,25 +36,45 @@ def capture_sizes(max_reqs: int) -> list[int]:
     return sorted(set(sizes + [max_reqs]))
 
 
-class DecodeGraphs:
-    """Captured graphs of one runner, keyed by (q, padded request count)."""
+class GraphExecutor:
+    """The eager executor plus captured graphs, keyed by (q, padded request count)."""
 
-    def __init__(self, runner: Any, q_lens: list[int]) -> None:
-        self.runner = runner
+    def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
+                 vocab_size: int, num_kv_heads: int, num_sms: int) -> None:
+        self.eager = eager
+        self.batch = batch
         self.q_lens = q_lens
-        pb = runner.batch_state
-        self.sizes = capture_sizes(pb.max_reqs)
-        hidden_size = runner.model_config.hidden_size
-        self.max_tokens = min(pb.max_tokens, max(self.sizes) * max(q_lens))
-        self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
-        self.logits = torch.zeros(max(self.sizes), runner.vocab_size, dtype=torch.float32, device=runner.device) \
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = num_sms
+        self.sizes = capture_sizes(batch.max_reqs)
+        self.max_tokens = min(batch.max_tokens, max(self.sizes) * max(q_lens))
+        dtype = next(eager.model.parameters()).dtype
+        self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
+        self.logits = torch.zeros(max(self.sizes), vocab_size, dtype=torch.float32, device=batch.device) \
             if 1 in q_lens else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits: dict[tuple[int, int], int] = {}
         self.num_replays = 0
 
+    # The eager executor's interface, shared.
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.eager.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list[torch.Tensor]) -> None:
+        self.eager.kv_caches = caches
+
+    def profile(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        self.eager.profile(*args, **kwargs)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.eager.release()
+
     def capture(self) -> None:
         pool = None
+        device = self.batch.device
         for q in self.q_lens:
             for size in sorted(self.sizes, reverse=True):
                 if size * q > self.max_tokens:
@@ -62,42 +83,42 @@ class DecodeGraphs:
                 run = self._body(q, size)
                 with torch.inference_mode():
                     run()  # warm-up outside the graph: compiles kernels, sets up cuBLAS
-                    torch.cuda.synchronize(self.runner.device)
+                    torch.cuda.synchronize(device)
                     with torch.cuda.graph(graph, pool=pool):
                         run()
                 pool = graph.pool()
                 self.graphs[(q, size)] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(device)
         logger.info("captured %d CUDA graphs (q in %s, up to %d requests)", len(self.graphs), self.q_lens,
                     max(self.sizes))
 
-    def _body(self, q: int, size: int):
-        r = self.runner
-        pb = r.batch_state
+    def _body(self, q: int, size: int) -> Callable[[], None]:
+        pb, eager = self.batch, self.eager
         tokens = size * q
         # Placeholder step: every request owns q tokens of block 0 and writes no KV. Replays read
         # the live values the persistent batch writes to the same addresses.
-        pb.query_start_loc[:size + 1].copy_(torch.arange(size + 1, device=r.device, dtype=torch.int32) * q)
+        pb.query_start_loc[:size + 1].copy_(torch.arange(size + 1, device=pb.device, dtype=torch.int32) * q)
         pb.seq_lens[:size].fill_(q)
         pb.block_tables[:size].zero_()
         pb.slot_mapping[:tokens].fill_(-1)
-        splits = choose_num_splits(size, r.model_config.num_kv_heads, pb.max_len, r.attn_backend.num_sms)
+        splits = choose_num_splits(size, self.num_kv_heads, pb.max_len, self.num_sms)
         self.splits[(q, size)] = splits
         meta = GpuAttentionMetadata(
             query_start_loc=pb.query_start_loc[:size + 1], seq_lens=pb.seq_lens[:size],
             slot_mapping=pb.slot_mapping[:tokens], block_tables=pb.block_tables[:size],
             max_query_len=q, max_seq_len=pb.max_len,
             query_start_loc_cpu=[i * q for i in range(size + 1)], seq_lens_cpu=[q] * size, num_splits=splits)
-        ctx = ForwardContext(r.attn_backend, meta, r.kv_caches)
+        ctx = eager.context(meta)
+        model = eager.model
 
         def run() -> None:
-            hidden, _ = fused_forward(r.model, pb.input_ids[:tokens], pb.positions[:tokens], ctx, r.rope)
+            hidden, _ = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx)
             self.hidden[:tokens].copy_(hidden)
             if q == 1 and self.logits is not None:
-                self.logits[:tokens].copy_(r.model.compute_logits(hidden))
+                self.logits[:tokens].copy_(model.compute_logits(hidden))
         return run
 
-    def lookup(self, plan: SchedulerOutput) -> tuple[int, int] | None:
+    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
         """The graph for this plan, or None when it is not uniform or too large."""
         counts = plan.num_scheduled_tokens
         if not counts:
@@ -110,11 +131,13 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, len(counts))
         if i == len(self.sizes) or (q, self.sizes[i]) not in self.graphs:
             return None
-        return q, self.sizes[i]
+        return GraphKey(q, self.sizes[i], self.splits[(q, self.sizes[i])])
 
-    def replay(self, key: tuple[int, int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the graph; returns views of the hidden states and (q = 1) logits of the live rows."""
-        self.graphs[key].replay()
+    def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
+        if key is None:
+            return self.eager.run(batch)
+        self.graphs[(key.q, key.size)].replay()
         self.num_replays += 1
-        logits = self.logits[:num_tokens] if key[0] == 1 and self.logits is not None else None
-        return self.hidden[:num_tokens], logits
+        n = batch.num_tokens
+        logits = self.logits[:n] if key.q == 1 and self.logits is not None else None
+        return ForwardOutput(self.hidden[:n], [], logits)

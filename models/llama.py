@@ -1,9 +1,11 @@
 """The Llama decoder (Llama 2 and 3), shared by every architecture that differs from it only by flags
 (Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm).
 
-The model works on packed ragged batches: ``input_ids`` and ``positions`` are [T] and attention
-goes through a :class:`~specloop.backends.attention.ForwardContext`, so the model knows nothing
-about requests, the scheduler or the paged cache layout.
+The model works on packed ragged batches: ``input_ids`` and ``positions`` are [T], and attention,
+norms and activations run through the :class:`~specloop.models.attention.ForwardContext`'s ops
+(the torch reference or fused Triton kernels), so the model knows nothing about requests, the
+scheduler, the paged cache layout or the device. The residual stream is carried as
+``(x, residual)`` and added inside the next norm.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from .config import ModelConfig, ModelLoadError, parse_hf_config
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
-    from specloop.backends.attention import ForwardContext
+    from .context import ForwardContext
+
+# Rotary tables cover max_position_embeddings; a config without it gets this many positions.
+DEFAULT_MAX_POSITIONS = 32768
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -32,32 +38,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.__dict__["rotary"] = rotary  # shared with the other layers, owned by the model
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = ctx.attention(self.layer_idx, q, k, v, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(ctx.ops.attention(self, self.qkv_proj(x), positions, ctx))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 mlp_bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, qk_norm)
+        self.self_attn = Attention(cfg, layer_idx, rotary, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` is the stream entering the layer (``residual`` None: ``x`` alone);
+        returns the block's output and the stream it is to be added to."""
+        ops, norm = ctx.ops, self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(h, positions, ctx)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(h, ops), residual
 
 
 # HF checkpoint names of the projections that specloop stores fused: (fused, original, shard index).
@@ -79,7 +87,8 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config = parse_hf_config(hf_config)
         flags = self.flags(hf_config)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **flags) for i in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings or DEFAULT_MAX_POSITIONS)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, **flags) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -91,21 +100,28 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(hf.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": bool(hf.get("mlp_bias", False))}
 
+    @property
+    def max_positions(self) -> int:
+        """How many positions the rotary tables cover."""
+        return self.rotary.max_positions
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
                 aux_layers: Sequence[int] = (), inputs_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
+        residual: torch.Tensor | None = None
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                aux.append(x)
-            x = layer(x, positions, ctx)
+            if i in aux_layers:  # a copy: the fused ops update the residual stream in place
+                aux.append(x.clone() if residual is None else x + residual)
+            x, residual = layer(x, residual, positions, ctx)
         if len(self.layers) in aux_layers:
-            aux.append(x)
-        return self.norm(x), aux
+            aux.append(x + residual)
+        h, _ = ctx.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return h, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,86 @@
+"""The runner's side of speculative decoding: after sampling, hand the requests that sampled to the
+proposer (``specloop.proposers``) with what it declared it needs, keep its drafts for
+``take_draft_token_ids`` and the probabilities they were drawn from for the next verification."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
+from specloop.proposers.base import DraftProposal, Proposer, ProposerInputs
+
+from .batch import InputBatch
+from .requests import CachedRequestState
+
+
+class DraftingStage:
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+        # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
+        self.draft_probs: dict[str, torch.Tensor | None] = {}
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.proposer.hidden_state_layers)
+
+    def remove(self, req_ids: frozenset[str]) -> None:
+        for rid in req_ids:
+            self.draft_probs.pop(rid, None)
+        if req_ids:
+            self.proposer.remove_requests(req_ids)
+
+    def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
+                aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
+                requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
+        idx = [i for i, s in enumerate(sampled) if s]
+        self.draft_probs.clear()
+        if not idx:
+            return None
+        reqs = [requests[batch.req_ids[i]] for i in idx]
+        num_drafts = [len(batch.spec_token_ids[i]) for i in idx]
+        inputs = ProposerInputs(
+            req_ids=[r.req_id for r in reqs],
+            token_ids=[np.array(r.token_ids + sampled[i], dtype=np.int64) for r, i in zip(reqs, idx)],
+            num_prompt_tokens=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
+            num_sampled=np.array([len(sampled[i]) for i in idx], dtype=np.int64),
+            # A request that verified d drafts and emitted s tokens accepted s - 1 of them.
+            num_rejected=np.array([d - (len(sampled[i]) - 1) if d else 0 for d, i in zip(num_drafts, idx)],
+                                  dtype=np.int64),
+            sampling_params=[r.sampling_params for r in reqs],
+            seeds=np.array([r.seed for r in reqs], dtype=np.int64),
+            eos_token_ids=[r.eos_token_ids for r in reqs],
+            block_ids=[r.block_ids for r in reqs],
+            plan=plan,
+        )
+        if self.proposer.needs_hidden_states:
+            _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx)
+        proposal: DraftProposal = self.proposer.propose(inputs)
+        keep = [(k, d) for k, d in enumerate(proposal.draft_token_ids) if len(d)]
+        for k, _ in keep:
+            self.draft_probs[inputs.req_ids[k]] = proposal.draft_probs[k] if proposal.draft_probs else None
+        if not keep:
+            return None
+        return DraftTokenIds([inputs.req_ids[k] for k, _ in keep], [list(map(int, d)) for _, d in keep])
+
+
+def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
+                       sampled: list[list[int]], idx: list[int]) -> None:
+    """The hidden-state rows of the requests in ``inputs``, made contiguous when partial prefills
+    (which sample nothing) sit between them."""
+    qsl = batch.query_start_loc
+    rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in idx])
+    lengths = np.array([qsl[i + 1] - qsl[i] for i in idx], dtype=np.int64)
+    sub_qsl = np.concatenate([[0], np.cumsum(lengths)])
+    positions = batch.positions.cpu().numpy()
+    hidden = hidden[:batch.num_tokens]
+    if len(idx) != len(batch.req_ids):
+        index = torch.as_tensor(rows, device=hidden.device)
+        hidden, aux = hidden[index], [a[index] for a in aux]
+    inputs.query_start_loc = sub_qsl
+    inputs.positions = positions[rows]
+    inputs.hidden_states = hidden
+    inputs.aux_hidden_states = tuple(aux)
+    # The newest token came from the row of the last accepted draft (or the bonus row).
+    inputs.sampled_rows = np.array([sub_qsl[k + 1] - batch.sample_rows[i][1] + len(sampled[i]) - 1
+                                    for k, i in enumerate(idx)], dtype=np.int64)

@@ -1,0 +1,72 @@
+"""The ``"gpu"`` model runner: the one ``ModelRunner`` composed of GPU parts.
+
+* fused Triton ops (``models.ops.TritonOps``) in the model's forward, and the ``"triton"``
+  attention backend (its decode tile timed at start-up);
+* a device-resident persistent batch instead of host-built inputs;
+* CUDA graphs of uniform decode / verification steps around the eager executor;
+* a fast sampling path for plain batches around the reference sampling stage.
+
+Options (``config.plugin_options["gpu"]``): ``fused`` (default on) and ``cuda_graphs`` (default on
+unless ``enforce_eager``; CUDA only, and only with the fused ops and no hidden-state taps).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.plugins import PluginManager
+from specloop.models.ops import TORCH_OPS, TRITON_OPS, Ops
+
+from ..executor import EagerExecutor
+from ..runner import ModelRunner, RunnerParts
+from ..sampling_stage import SamplingStage
+from .fast_sampling import FastSamplingStage
+from .graphs import GraphExecutor
+from .persistent_batch import PersistentBatch
+from .triton_attention import TritonAttentionBackend
+
+logger = logging.getLogger("specloop")
+
+
+class GpuPlatform:
+    default_attention_backend = "triton"
+
+    def __init__(self, config: EngineConfig) -> None:
+        opts = dict(config.plugin_options.get("gpu", {}))
+        self.fused = bool(opts.get("fused", True))
+        self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
+
+    def ops(self, config: EngineConfig) -> Ops:
+        return TRITON_OPS if self.fused else TORCH_OPS
+
+    def parts(self, runner: ModelRunner) -> RunnerParts:
+        c = runner.config
+        k = c.num_lookahead_tokens
+        max_len = (c.max_model_len or 2048) + k + 1
+        max_tokens = max(c.max_num_batched_tokens or 8192, c.max_num_seqs * (k + 1))
+        batch = PersistentBatch(c.max_num_seqs, max_len, runner.block_size, max_tokens, runner.device)
+        eager = EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers)
+        executor: EagerExecutor | GraphExecutor = eager
+        if (self.cuda_graphs and self.fused and runner.device.type == "cuda" and not runner.aux_layers
+                and isinstance(runner.attn_backend, TritonAttentionBackend)):
+            mc = runner.model_config
+            executor = GraphExecutor(eager, batch, [1] + ([k + 1] if k else []), mc.hidden_size, runner.vocab_size,
+                                     mc.num_kv_heads, runner.attn_backend.num_sms)
+        reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
+        return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens))
+
+    def kv_allocated(self, runner: ModelRunner) -> None:
+        backend, c = runner.attn_backend, runner.config
+        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend):
+            max_len = (c.max_model_len or 2048) + c.num_lookahead_tokens + 1
+            backend.tune_decode(runner.kv_caches[0], runner.model_config.num_heads, c.max_num_seqs,
+                                min(max_len, 1024))
+            logger.info("decode attention tile: %s (%s)", backend.decode_config, backend.decode_tuning)
+        executor = runner.parts.executor
+        if isinstance(executor, GraphExecutor):
+            executor.capture()
+
+
+def gpu_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
+    return ModelRunner(config, plugins, GpuPlatform(config))

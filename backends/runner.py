@@ -1,0 +1,257 @@
+"""The model runner: one class, composed of parts a platform supplies.
+
+One step::
+
+    execute_model(plan)   apply the plan to the resident request state
+                          -> batch builder: packed inputs      (host lists | device-resident rows)
+                          -> executor: the model's forward    (eager | CUDA-graph replay)
+    sample_tokens()       -> sampling stage: logits, sample or verify drafts, logprobs
+                          -> drafting stage: the proposer's drafts for the next step
+
+The ``"torch"`` runner composes the reference parts (any torch device); the ``"gpu"`` runner
+(``backends.gpu.platform``) composes a device-resident batch, CUDA graphs, fused Triton ops and a
+fast sampling path around the same reference parts, which stay the oracle for each of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
+from specloop.kernel.plugins import PluginManager
+from specloop.models.attention import AttentionBackend
+from specloop.models.config import ModelConfig
+from specloop.models.loader import load_model, resolve_device
+from specloop.models.ops import TORCH_OPS, Ops
+from specloop.proposers.base import ProposerContext
+
+from . import kv_memory
+from .batch import HostBatchBuilder, InputBatch
+from .drafting import DraftingStage
+from .executor import EagerExecutor, ForwardOutput, GraphKey
+from .requests import CachedRequestState, PlanChanges, apply_plan
+from .sampling_stage import SampleResult, SamplingStage, compute_logits
+
+
+class BatchBuilder(Protocol):
+    def update(self, changes: PlanChanges) -> None: ...
+
+    def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
+                num_splits: int = 0) -> InputBatch: ...
+
+
+class Executor(Protocol):
+    kv_caches: list[torch.Tensor]
+
+    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None: ...
+
+    def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput: ...
+
+    def profile(self, num_tokens: int, num_logit_rows: int, kv_caches: list[torch.Tensor], block_size: int,
+                device: torch.device) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Sampler(Protocol):
+    def forget(self, finished: frozenset[str]) -> None: ...
+
+    def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
+               draft_probs: dict[str, torch.Tensor | None]) -> SampleResult: ...
+
+
+@dataclass(slots=True)
+class RunnerParts:
+    builder: BatchBuilder
+    executor: Executor
+    sampler: Sampler
+
+
+class Platform(Protocol):
+    """Supplies a runner's parts. Called by :class:`ModelRunner` in this order."""
+
+    default_attention_backend: str
+
+    def ops(self, config: EngineConfig) -> Ops: ...
+
+    def parts(self, runner: ModelRunner) -> RunnerParts:
+        """Before the KV cache is sized (what the parts allocate counts against the budget)."""
+
+    def kv_allocated(self, runner: ModelRunner) -> None:
+        """After the KV cache is allocated (tuning, CUDA-graph capture)."""
+
+
+class TorchPlatform:
+    default_attention_backend = "torch"
+
+    def ops(self, config: EngineConfig) -> Ops:
+        return TORCH_OPS
+
+    def parts(self, runner: ModelRunner) -> RunnerParts:
+        return RunnerParts(HostBatchBuilder(runner.block_size, runner.device),
+                           EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers),
+                           SamplingStage(runner.model, runner.vocab_size, runner.device))
+
+    def kv_allocated(self, runner: ModelRunner) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class ExecutedStep:
+    """What ``execute_model`` leaves for ``sample_tokens`` (``runner.executed`` in between)."""
+
+    plan: SchedulerOutput
+    batch: InputBatch | None
+    hidden_states: torch.Tensor | None
+    aux_hidden_states: list[torch.Tensor]
+
+
+class ModelRunner:
+    """Runs a Hugging Face-format checkpoint; implements :class:`specloop.kernel.protocols.ModelRunner`."""
+
+    def __init__(self, config: EngineConfig, plugins: PluginManager, platform: Platform) -> None:
+        if not config.model:
+            raise ValueError("the model runner needs a model: pass model=PATH to a local Hugging Face-format "
+                             "directory")
+        self.config = config
+        self.plugins = plugins
+        self.platform = platform
+        self.device = resolve_device(config.device)
+        self.model, self.model_config = load_model(config.model, plugins.models, self.device, config.dtype)
+        self.dtype: torch.dtype = next(self.model.parameters()).dtype
+        self.vocab_size = self.model_config.vocab_size
+        mc: ModelConfig = self.model_config
+        self.model_max_len: int | None = mc.max_position_embeddings or getattr(self.model, "max_positions", None)
+        self.block_size = config.block_size
+        self.attention_backend_name = config.attention_backend or platform.default_attention_backend
+        self.attn_backend: AttentionBackend = self._new_attention_backend()
+        self.ops = platform.ops(config)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.drafter: DraftingStage | None = None
+        self.parts: RunnerParts | None = None
+        self.executed: ExecutedStep | None = None
+        self._drafts: DraftTokenIds | None = None
+
+    def _new_attention_backend(self) -> AttentionBackend:
+        return self.plugins.attention_backends.create(self.attention_backend_name, config=self.config)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.drafter.aux_layers if self.drafter is not None else ()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.parts.executor.kv_caches if self.parts is not None else []
+
+    def proposer_context(self) -> ProposerContext:
+        model = self.model
+        return ProposerContext(device=self.device, dtype=self.dtype, model_config=self.model_config,
+                               vocab_size=self.vocab_size, block_size=self.block_size, models=self.plugins.models,
+                               attention_backend=self._new_attention_backend, ops=self.ops,
+                               embed_tokens=model.embed_tokens, lm_head=model.compute_logits, target=model)
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def initialize(self) -> int:
+        """Build the proposer and the parts, size and allocate the KV cache; returns its blocks."""
+        spec = self.config.speculative_config
+        if spec is not None:
+            proposer = self.plugins.proposers.create(spec.method, config=self.config, context=self.proposer_context())
+            self.drafter = DraftingStage(proposer)
+        self.parts = self.platform.parts(self)
+        executor = self.parts.executor
+        c = self.config
+        n = int(min(c.max_num_batched_tokens or 8192, c.max_model_len or 8192))
+
+        def profile() -> None:
+            mc = self.model_config
+            shape = self.attn_backend.kv_cache_shape(-(-n // self.block_size), self.block_size, mc.num_kv_heads,
+                                                     mc.head_dim)
+            scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+            executor.profile(n, min(n, c.max_num_seqs), scratch, self.block_size, self.device)
+
+        num_blocks = kv_memory.num_kv_blocks(c, self.device, self.kv_bytes_per_block(), self.block_size, profile)
+        mc = self.model_config
+        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        executor.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        if self.drafter is not None:
+            self.drafter.proposer.initialize(num_blocks)
+        self.platform.kv_allocated(self)
+        return num_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block costs across the target's layers and the proposer's, if it keeps a cache."""
+        size = self.model_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+        if self.drafter is not None:
+            size += self.drafter.proposer.kv_cache_bytes_per_block()
+        return size
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def execute_model(self, plan: SchedulerOutput) -> None:
+        self.update_states(plan)
+        if plan.total_num_scheduled_tokens == 0:
+            self.executed = ExecutedStep(plan, None, None, [])
+            return
+        batch, key = self.prepare_inputs(plan)
+        out = self.forward(batch, key)
+        self.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states)
+
+    def update_states(self, plan: SchedulerOutput) -> None:
+        """Apply the plan to the resident request state and every part that mirrors it."""
+        parts = self.parts
+        changes = apply_plan(self.requests, plan, self.config.seed)
+        parts.builder.update(changes)
+        parts.sampler.forget(changes.finished)
+        if self.drafter is not None:
+            self.drafter.remove(changes.removed)
+
+    def prepare_inputs(self, plan: SchedulerOutput) -> tuple[InputBatch, GraphKey | None]:
+        """The step's inputs, padded for the CUDA graph that will run it, if one will."""
+        key = self.parts.executor.graph_for(plan)
+        batch = self.parts.builder.prepare(plan, self.requests, pad_to=key.size if key else None,
+                                           num_splits=key.num_splits if key else 0)
+        return batch, key
+
+    def forward(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
+        out = self.parts.executor.run(batch, key)
+        batch.precomputed_logits = out.logits
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(self.model, hidden_states)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        step, self.executed = self.executed, None
+        if step is None:
+            raise RuntimeError("sample_tokens called without execute_model")
+        self._drafts = None
+        batch = step.batch
+        if batch is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
+        result = self.parts.sampler.sample(batch, step.hidden_states, self.requests, draft_probs)
+        if self.drafter is not None:
+            self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
+                                                result.sampled, self.requests)
+        return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
+                                 logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts
+
+    def shutdown(self) -> None:
+        self.requests.clear()
+        if self.parts is not None:
+            self.parts.executor.release()
+        self.executed = None
+
+
+def torch_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
+    """The ``"torch"`` runner: the reference parts, any torch device."""
+    return ModelRunner(config, plugins, TorchPlatform())

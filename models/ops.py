@@ -1,0 +1,153 @@
+"""The ops a model's layers call, in two interchangeable sets: the torch reference and fused Triton
+kernels. A model has one forward; whoever runs it picks the set through
+``ForwardContext.ops``, so the same module runs on a CPU, on a GPU with plain PyTorch, or on a GPU
+with the fused kernels, and the torch set stays the oracle for the Triton one.
+
+The residual stream is carried as ``(x, residual)``: a block's output ``x`` is added to the
+residual only inside the next norm (:meth:`Ops.add_rms_norm`), which the Triton set does in the
+norm's kernel. Rounding follows Hugging Face's layers in both sets (float32 statistics, the
+normalised value rounded to the activation dtype before its weight multiplies it); the GPU compiler
+may keep some products in float32, so in bf16 the sets agree up to near-ties, in float32 exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .attention import PAGED_KV_LAYOUT, AttentionBackend, AttentionMetadata
+from .layers import RotaryEmbedding, rms_norm
+
+
+class ForwardContext(Protocol):
+    """What the attention op reads of ``models.context.ForwardContext``."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor: ...
+
+
+class AttentionShape(Protocol):
+    """What the attention op reads from an attention layer."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_size: int
+    kv_size: int
+    scale: float
+    q_norm: torch.nn.Module | None  # per-head RMSNorm of q and k (Qwen3), or None
+    k_norm: torch.nn.Module | None
+    rotary: RotaryEmbedding
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x`` [rows, N] normalised and scaled by ``weight``."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` normalised, and that sum (the new residual). May update ``residual`` in
+        place."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``x = [gate | up]`` [rows, 2I] -> [rows, I]."""
+
+    def attention(self, attn: AttentionShape, qkv: torch.Tensor, positions: torch.Tensor,
+                  ctx: ForwardContext) -> torch.Tensor:
+        """From the fused qkv projection [T, (Hq + 2 Hkv) D] to the attention output [T, Hq D]: the
+        optional q/k norms, the rotary embedding, the KV write and attention over the cache."""
+
+
+class TorchOps:
+    """The reference: plain PyTorch, any device."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, attn: AttentionShape, qkv: torch.Tensor, positions: torch.Tensor,
+                  ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(-1, attn.num_heads, attn.head_dim)
+        k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+        v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q = rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
+            k = rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
+        q, k = attn.rotary(positions, q, k)
+        out = ctx.attention(attn.layer_idx, q, k, v, attn.scale)
+        return out.reshape(-1, attn.q_size)
+
+
+class TritonOps:
+    """Fused Triton kernels (``specloop.kernels``): RMSNorm with the residual add, SiLU-and-mul,
+    and, for a cache in the standard paged layout, q/k norms + rotary + KV write in one kernel before
+    the backend's attention. Any torch device the kernels run on (CUDA, or the CPU under
+    ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from specloop.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        from specloop.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, weight, eps, residual=residual), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        from specloop.kernels.activation import silu_and_mul
+
+        return silu_and_mul(x)
+
+    def attention(self, attn: AttentionShape, qkv: torch.Tensor, positions: torch.Tensor,
+                  ctx: ForwardContext) -> torch.Tensor:
+        tokens = qkv.shape[0]
+        rope = attn.rotary
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
+        eps = attn.q_norm.eps if attn.q_norm is not None else 0.0
+        if getattr(ctx.backend, "kv_layout", None) == PAGED_KV_LAYOUT:
+            from specloop.kernels.qk_rope_cache import qk_rope_cache
+
+            kv_cache = ctx.kv_caches[attn.layer_idx]
+            q = qk_rope_cache(qkv, attn.num_heads, attn.num_kv_heads, positions, rope.cos, rope.sin, kv_cache[0],
+                              kv_cache[1], ctx.metadata.slot_mapping, *norms, eps=eps)
+            out = ctx.backend.attend(q, kv_cache, ctx.metadata, attn.scale)
+            return out.view(tokens, attn.q_size)
+        from specloop.kernels.rms_norm import rms_norm
+        from specloop.kernels.rotary import rotary_embedding
+
+        q = qkv[:, :attn.q_size].view(tokens, attn.num_heads, attn.head_dim)
+        k = qkv[:, attn.q_size:attn.q_size + attn.kv_size].view(tokens, attn.num_kv_heads, attn.head_dim)
+        v = qkv[:, attn.q_size + attn.kv_size:].view(tokens, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            rms_norm(q, norms[0], eps, out=q)
+            rms_norm(k, norms[1], eps, out=k)
+        rotary_embedding(q, k, positions, rope.cos, rope.sin)
+        return ctx.attention(attn.layer_idx, q, k, v, attn.scale).view(tokens, attn.q_size)
+
+
+TORCH_OPS = TorchOps()
+TRITON_OPS = TritonOps()
