@@ -1,4 +1,4 @@
-"""Decode speed against the physical limit (BENCHMARKS.md §2), and decode throughput vs batch size.
+"""Decode speed against the physical limit, and decode throughput vs batch size.
 
 For each shape: requests of a 32-token random prompt and 256 greedy output tokens (``ignore_eos``)
 through ``LLM.generate``, at batch 1 and at each ``--batch-sizes`` entry. tok/s = output tokens /

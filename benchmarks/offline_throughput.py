@@ -1,4 +1,4 @@
-"""Offline throughput, the nano-vllm protocol (BENCHMARKS.md §1), against Hugging Face transformers
+"""Offline throughput on the nano-vllm protocol, against Hugging Face transformers
 in the same run and against the workload's own roofline.
 
 256 requests; input and output lengths uniform in [100, 1024] (fixed seed); random token ids;

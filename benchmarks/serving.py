@@ -1,4 +1,4 @@
-"""Serving benchmark (BENCHMARKS.md §3): a bounded async load generator against ``specloop serve``
+"""Serving benchmark: a bounded async load generator against ``specloop serve``
 on loopback.
 
 Poisson arrivals at each request rate (``inf``: all at once), random token-id prompts of

@@ -1,4 +1,4 @@
-"""Speculative decoding (BENCHMARKS.md §4): acceptance and speedup over no speculation, same run.
+"""Speculative decoding: acceptance and speedup over no speculation, same run.
 
 For each batch size b, the same prompts (at least ``--min-prompts``, b at a time) are generated
 greedily (``ignore_eos``, fixed output length) without speculation and then with each proposer and
