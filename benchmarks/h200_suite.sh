@@ -31,7 +31,7 @@ stage() {  # stage NAME SECONDS CMD...
 
 stages=${*:-tests offline decode prefill breakdown}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv > "$RES/nvidia-smi.csv" 2>&1
-git log -1 --format='%h %s' > "$RES/commit.txt" 2>/dev/null
+echo "${SPECLOOP_COMMIT:-$(git log -1 --format=%h 2>/dev/null)}" > "$RES/commit.txt"
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
   | tee "$RES/versions.txt"
 for s in $stages; do

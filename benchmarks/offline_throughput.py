@@ -97,8 +97,8 @@ def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Na
         by_batch.setdefault(b, []).append(b / t)
     curve = sorted((b, float(np.median(v))) for b, v in by_batch.items())
     metrics = llm.get_metrics()
-    graphs = getattr(runner, "graphs", None)
-    replays = graphs.num_replays if graphs is not None else 0
+    executor = runner.parts.executor
+    replays = getattr(executor, "num_replays", 0)
     backend = runner.attn_backend
     tile = {"decode_attention_tile": getattr(backend, "decode_config", None),
             "decode_attention_tuning_us": getattr(backend, "decode_tuning", {})}
