@@ -41,7 +41,7 @@ class DraftingStage:
         num_drafts = [len(batch.spec_token_ids[i]) for i in idx]
         inputs = ProposerInputs(
             req_ids=[r.req_id for r in reqs],
-            token_ids=[np.array(r.token_ids + sampled[i], dtype=np.int64) for r, i in zip(reqs, idx)],
+            token_ids=[np.array(r.token_ids, dtype=np.int64) for r in reqs],  # this step's tokens included
             num_prompt_tokens=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
             num_sampled=np.array([len(sampled[i]) for i in idx], dtype=np.int64),
             # A request that verified d drafts and emitted s tokens accepted s - 1 of them.

@@ -1,9 +1,16 @@
 """The model runner's copy of each request, kept in step with the scheduler's plans.
 
 The scheduler owns a request's truth (``specloop.kernel.request.Request``); the runner keeps only
-what it needs to build inputs and sample, updated from each plan's ``NewRequestData`` (first
-admission, or resumption after preemption) and ``CachedRequestData`` (what changed since the last
-step). The plan is the only writer.
+what it needs to build inputs and sample, created from a plan's ``NewRequestData`` (first admission,
+or resumption after preemption) and updated from ``CachedRequestData`` (what changed since the last
+step).
+
+The one thing the runner adds itself is a *provisional tail*: the tokens it sampled that the
+scheduler has not committed yet. With asynchronous scheduling the next step is planned and launched
+before the previous one's tokens are committed, so the runner must already know (or, on the device,
+hold) the token it sampled there. A provisional token whose value has not reached the host yet is
+``PLACEHOLDER``. The plan's committed tokens always confirm the tail (the scheduler commits exactly
+what was sampled, or finishes the request).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from specloop.kernel.outputs import SchedulerOutput
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.sampling.sampler import seed_to_int64
 
+PLACEHOLDER = -1  # a provisional token whose value is still on the device
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -22,7 +31,8 @@ class CachedRequestState:
 
     req_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # prompt + committed output
+    token_ids: list[int]  # prompt + committed output + the provisional tail
+    num_committed: int  # how many of token_ids the scheduler has committed
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # first position computed in the current step
@@ -36,6 +46,16 @@ class CachedRequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    def commit(self, new_token_ids: list[int]) -> None:
+        """The scheduler committed ``new_token_ids``: they confirm the head of the provisional tail."""
+        c, n = self.num_committed, len(new_token_ids)
+        tail = self.token_ids[c:c + n]
+        if any(t != u and t != PLACEHOLDER for t, u in zip(tail, new_token_ids)):
+            raise RuntimeError(f"request {self.req_id!r}: committed tokens {new_token_ids} differ from the "
+                               f"ones sampled {tail}")
+        self.token_ids[c:c + n] = new_token_ids
+        self.num_committed = c + n
 
 
 @dataclass(slots=True)
@@ -62,10 +82,12 @@ def apply_plan(requests: dict[str, CachedRequestState], plan: SchedulerOutput, e
     added = []
     for new in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
         params = new.sampling_params
+        token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         state = CachedRequestState(
             req_id=new.req_id,
             prompt_token_ids=list(new.prompt_token_ids),
-            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            token_ids=token_ids,
+            num_committed=len(token_ids),
             sampling_params=params,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
@@ -78,7 +100,7 @@ def apply_plan(requests: dict[str, CachedRequestState], plan: SchedulerOutput, e
     updated = []
     for cached in plan.scheduled_running_reqs:
         state = requests[cached.req_id]
-        state.token_ids.extend(cached.new_token_ids)
+        state.commit(cached.new_token_ids)
         state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
         updated.append(state)

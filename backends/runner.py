@@ -15,8 +15,9 @@ fast sampling path around the same reference parts, which stay the oracle for ea
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -33,7 +34,7 @@ from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
 from .drafting import DraftingStage
 from .executor import EagerExecutor, ForwardOutput, GraphKey
-from .requests import CachedRequestState, PlanChanges, apply_plan
+from .requests import PLACEHOLDER, CachedRequestState, PlanChanges, apply_plan
 from .sampling_stage import SampleResult, SamplingStage, compute_logits
 
 
@@ -60,8 +61,11 @@ class Executor(Protocol):
 class Sampler(Protocol):
     def forget(self, finished: frozenset[str]) -> None: ...
 
+    def can_defer(self, batch: InputBatch) -> bool:
+        """Whether :meth:`sample` can leave this batch's tokens on the device (``defer=True``)."""
+
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None]) -> SampleResult: ...
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult: ...
 
 
 @dataclass(slots=True)
@@ -100,6 +104,22 @@ class TorchPlatform:
         pass
 
 
+class PendingOutput:
+    """A step's output whose tokens may still be on their way to the host; ``result()`` waits for
+    them once and returns the same :class:`ModelRunnerOutput` on every call."""
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        self._wait: Callable[[], ModelRunnerOutput] | None = wait
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            self._output = wait()
+        assert self._output is not None
+        return self._output
+
+
 @dataclass(slots=True)
 class ExecutedStep:
     """What ``execute_model`` leaves for ``sample_tokens`` (``runner.executed`` in between)."""
@@ -135,6 +155,13 @@ class ModelRunner:
         self.parts: RunnerParts | None = None
         self.executed: ExecutedStep | None = None
         self._drafts: DraftTokenIds | None = None
+        # Asynchronous scheduling: the next step is planned and launched before this one's tokens
+        # are committed. Resolved by the engine (EngineConfig.async_scheduling); a CPU runner
+        # overlaps on a worker thread, a CUDA one through the device's stream.
+        self.async_scheduling = False
+        self._worker: ThreadPoolExecutor | None = None
+        self._executing: Future[None] | None = None
+        self._pending: PendingOutput | None = None
 
     def _new_attention_backend(self) -> AttentionBackend:
         return self.plugins.attention_backends.create(self.attention_backend_name, config=self.config)
@@ -181,6 +208,9 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.proposer.initialize(num_blocks)
         self.platform.kv_allocated(self)
+        self.async_scheduling = bool(getattr(c, "async_scheduling", False))
+        if self.async_scheduling and self.device.type != "cuda":
+            self._worker = ThreadPoolExecutor(1, "specloop-runner")
         return num_blocks
 
     def kv_bytes_per_block(self) -> int:
@@ -193,6 +223,12 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------------
 
     def execute_model(self, plan: SchedulerOutput) -> None:
+        if self._worker is not None:
+            self._executing = self._worker.submit(self._execute, plan)
+        else:
+            self._execute(plan)
+
+    def _execute(self, plan: SchedulerOutput) -> None:
         self.update_states(plan)
         if plan.total_num_scheduled_tokens == 0:
             self.executed = ExecutedStep(plan, None, None, [])
@@ -225,7 +261,23 @@ class ModelRunner:
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return compute_logits(self.model, hidden_states)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | PendingOutput:
+        """The last executed plan's tokens. With asynchronous scheduling a :class:`PendingOutput`
+        whose ``result()`` waits for them: on a worker thread (CPU), or for the device-to-host copy
+        of tokens that already feed the next step on the device (CUDA)."""
+        if self._worker is not None:
+            executing, self._executing = self._executing, None
+            sampling = self._worker.submit(self._sample_after, executing)
+            return PendingOutput(sampling.result)
+        return self._sample()
+
+    def _sample_after(self, executing: Future[None] | None) -> ModelRunnerOutput:
+        if executing is not None:
+            executing.result()  # re-raise what went wrong while executing
+        out = self._sample()
+        return out.result() if isinstance(out, PendingOutput) else out
+
+    def _sample(self) -> ModelRunnerOutput | PendingOutput:
         step, self.executed = self.executed, None
         if step is None:
             raise RuntimeError("sample_tokens called without execute_model")
@@ -233,19 +285,54 @@ class ModelRunner:
         batch = step.batch
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        sampler = self.parts.sampler
+        defer = self.async_scheduling and sampler.can_defer(batch)
+        if not defer:
+            self._resolve_pending()  # the paths below read every request's tokens on the host
         draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
-        result = self.parts.sampler.sample(batch, step.hidden_states, self.requests, draft_probs)
+        result = sampler.sample(batch, step.hidden_states, self.requests, draft_probs, defer=defer)
+        if result.wait is not None:
+            self._pending = self._provisional_placeholders(batch, result)
+            return self._pending
+        for rid, tokens in zip(batch.req_ids, result.sampled):
+            self.requests[rid].token_ids.extend(tokens)  # provisional until the next plan commits them
         if self.drafter is not None:
             self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
                                                 result.sampled, self.requests)
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
                                  logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
 
+    def _provisional_placeholders(self, batch: InputBatch, result: SampleResult) -> PendingOutput:
+        """One placeholder per request that sampled; filled when the tokens reach the host."""
+        waiting = []
+        for i, (_, count) in enumerate(batch.sample_rows):
+            if count:
+                state = self.requests[batch.req_ids[i]]
+                state.token_ids.append(PLACEHOLDER)
+                waiting.append((i, state, len(state.token_ids) - 1))
+        req_ids = list(batch.req_ids)
+
+        def wait() -> ModelRunnerOutput:
+            sampled = result.wait()
+            for i, state, position in waiting:
+                if self.requests.get(state.req_id) is state:  # not finished or preempted meanwhile
+                    state.token_ids[position] = sampled[i][0]
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+        return PendingOutput(wait)
+
+    def _resolve_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
         return drafts
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.requests.clear()
         if self.parts is not None:
             self.parts.executor.release()

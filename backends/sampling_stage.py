@@ -9,7 +9,7 @@ This is the reference stage, on any device. The GPU runner composes a faster one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -27,11 +27,13 @@ Logprobs = list[list[TokenLogprobs] | None]
 @dataclass(slots=True)
 class SampleResult:
     """Per request in batch order: the emitted tokens (accepted drafts + the target's), their
-    logprobs (None when not asked for), and prompt logprobs by request id."""
+    logprobs (None when not asked for), and prompt logprobs by request id. A deferred result has
+    ``sampled`` empty and ``wait()`` returning it once the tokens reach the host."""
 
     sampled: list[list[int]]
     logprobs: Logprobs | None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
+    wait: Callable[[], list[list[int]]] | None = None
 
 
 def compute_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -56,8 +58,11 @@ class SamplingStage:
         for rid in finished:
             self.prompt_logprobs_sent.pop(rid, None)
 
+    def can_defer(self, batch: InputBatch) -> bool:
+        return False
+
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None]) -> SampleResult:
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
         logits = self.logits(batch, hidden_states)
         meta, sample_logits = self.sampling_inputs(batch, logits, requests)
         sampled, logprobs = self.draw(batch, meta, sample_logits, draft_probs)

@@ -21,29 +21,43 @@ from .persistent_batch import PersistentBatch
 
 
 class FastSamplingStage:
+    # Host buffers the device copies tokens into, used in turn: with asynchronous scheduling a
+    # step's copy is read after the next step's has been queued.
+    NUM_HOST_BUFFERS = 3
+
     def __init__(self, reference: SamplingStage, batch: PersistentBatch, max_tokens: int) -> None:
         self.reference = reference
         self.batch = batch
         pinned = batch.device.type == "cuda"
-        self._host_tokens = torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pinned)
+        self._host = [torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pinned)
+                      for _ in range(self.NUM_HOST_BUFFERS)]
+        self._turn = 0
 
     def forget(self, finished: frozenset[str]) -> None:
         self.reference.forget(finished)
 
-    def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None]) -> SampleResult:
+    def can_defer(self, batch: InputBatch) -> bool:
         plain = self.batch.plain
-        if any(batch.spec_token_ids) or not all(plain[rid] for rid in batch.req_ids):
+        return not any(batch.spec_token_ids) and all(plain[rid] for rid in batch.req_ids)
+
+    def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
+        if not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs)
-        return self._sample_plain(batch, hidden_states, requests)
+        result = self._sample_plain(batch, hidden_states, requests)
+        if not defer:
+            result.sampled, result.wait = result.wait(), None
+        return result
 
     def _sample_plain(self, batch: InputBatch, hidden_states: torch.Tensor,
                       requests: dict[str, CachedRequestState]) -> SampleResult:
+        """Launch the draw and the copy of its tokens to the host; ``wait()`` reads them."""
         pb = self.batch
         num_rows = batch.logits_indices.shape[0]
-        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        rows_of = [(i, first) for i, (first, count) in enumerate(batch.sample_rows) if count]
+        num_reqs = len(batch.req_ids)
         if num_rows == 0:
-            return SampleResult(sampled, None, {})
+            return SampleResult([], None, {}, wait=lambda: [[] for _ in range(num_reqs)])
         with torch.inference_mode():
             logits = self.reference.logits(batch, hidden_states)
             rows = pb.sample_req_rows[:num_rows].long()
@@ -53,14 +67,23 @@ class FastSamplingStage:
                                    pb.seq_lens.index_select(0, rows).long(),
                                    min_p=pb.min_p.index_select(0, slots) if any_min_p else None)
             pb.write_sampled(tokens)
-            host = self._host_tokens[:num_rows]
+            host = self._host[self._turn][:num_rows]
+            self._turn = (self._turn + 1) % self.NUM_HOST_BUFFERS
             host.copy_(tokens, non_blocking=True)
-            if tokens.is_cuda:
-                torch.cuda.current_stream(tokens.device).synchronize()
-        values = host.tolist()
+            copied = torch.cuda.Event() if tokens.is_cuda else None
+            if copied is not None:
+                copied.record()
         seq_lens = batch.attn_metadata.seq_lens_cpu
-        for i, (first, count) in enumerate(batch.sample_rows):
-            if count:
+        for i, _ in rows_of:
+            pb.mark_sampled(batch.req_ids[i], seq_lens[i])
+
+        def wait() -> list[list[int]]:
+            if copied is not None:
+                copied.synchronize()
+            values = host.tolist()
+            sampled: list[list[int]] = [[] for _ in range(num_reqs)]
+            for i, first in rows_of:
                 sampled[i] = [values[first]]
-                pb.note_sampled(batch.req_ids[i], seq_lens[i], values[first])
-        return SampleResult(sampled, None, {})
+            return sampled
+
+        return SampleResult([], None, {}, wait=wait)

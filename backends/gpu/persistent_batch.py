@@ -55,7 +55,6 @@ class PersistentBatch:
         self._free = list(range(max_reqs - 1, -1, -1))
         self.device_len: dict[str, int] = {}  # leading token positions valid on the device
         self.device_blocks: dict[str, int] = {}  # leading block-table entries valid on the device
-        self.sampled_on_device: dict[str, tuple[int, int]] = {}  # (position, token) the runner wrote
         self.plain: dict[str, bool] = {}
         self._token_writes: list[tuple[int, int, list[int]]] = []
         self._block_writes: list[tuple[int, int, list[int]]] = []
@@ -109,21 +108,16 @@ class PersistentBatch:
         if slot is None:
             return
         self._free.append(slot)
-        for d in (self.device_len, self.device_blocks, self.sampled_on_device, self.plain):
+        for d in (self.device_len, self.device_blocks, self.plain):
             d.pop(req_id, None)
 
     def update_running(self, state: CachedRequestState) -> None:
-        """A running request after the plan's committed tokens and new blocks were appended to
-        ``state``: send the device what it lacks."""
+        """A running request after the plan was applied to ``state``: send the device the tokens it
+        lacks (those sampled on the host) and the new blocks. Tokens the fast sampler wrote on the
+        device are never sent, so their host copies may still be placeholders."""
         rid = state.req_id
         slot = self.slots[rid]
-        have = self.device_len[rid]
-        written = self.sampled_on_device.pop(rid, None)
-        if written is not None:
-            pos, token = written
-            # The scheduler committed the token sampled here (its usual case), or not.
-            have = pos + 1 if pos < len(state.token_ids) and state.token_ids[pos] == token else min(have, pos)
-        have = min(have, len(state.token_ids))
+        have = min(self.device_len[rid], len(state.token_ids))
         if have < len(state.token_ids):
             self._token_writes.append((slot, have, state.token_ids[have:]))
         self.device_len[rid] = len(state.token_ids)
@@ -210,6 +204,7 @@ class PersistentBatch:
         pos = self.seq_lens.index_select(0, rows).long()
         self.tokens.view(-1).index_copy_(0, slots * self.max_len + pos, tokens.to(torch.int32))
 
-    def note_sampled(self, req_id: str, position: int, token: int) -> None:
-        self.sampled_on_device[req_id] = (position, token)
+    def mark_sampled(self, req_id: str, position: int) -> None:
+        """The token at ``position`` was written on the device by :meth:`write_sampled`."""
+        self.device_len[req_id] = position + 1
 
