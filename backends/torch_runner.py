@@ -239,8 +239,6 @@ class TorchModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs(batch, logits),
-            num_draft_tokens=num_drafts,
-            num_accepted_tokens=num_accepted,
         )
 
     def sampling_inputs(self, batch: InputBatch, logits: torch.Tensor) -> tuple[sampling.SamplingMetadata,

@@ -1,4 +1,4 @@
-"""The microkernel: one engine step, and the busy loop that drives it (seed 000's tree).
+"""The microkernel: one engine step, and the busy loop that drives it.
 
 ::
 
@@ -52,7 +52,6 @@ class EngineCore:
                                                              num_blocks=num_blocks)
         self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
                                                                    kv_cache=self.kv_cache)
-        self.step_id = 0
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)
 
@@ -103,7 +102,6 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(plan, result)
         t3 = time.perf_counter()
-        self.step_id = plan.step_id
         self._emit_step_events(plan, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
         return outputs
@@ -115,10 +113,10 @@ class EngineCore:
 
     def _emit_step_events(self, plan: SchedulerOutput, result: ModelRunnerOutput, outputs: EngineCoreOutputs,
                           timings: dict[str, float]) -> None:
-        stats = outputs.scheduler_stats
-        if stats is not None and stats.num_drafts:
-            self.hooks.drafts_verified(plan.step_id, stats.num_drafts, stats.num_draft_tokens,
-                                       stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos))
+        spec = outputs.scheduler_stats.spec_decoding if outputs.scheduler_stats is not None else None
+        if spec is not None and spec.num_drafts:
+            self.hooks.drafts_verified(plan.step_id, spec.num_drafts, spec.num_draft_tokens,
+                                       spec.num_accepted_tokens, list(spec.accepted_per_position))
         finished = [r for r in (self.requests.pop(o.req_id, None) for o in outputs.outputs if o.finished)
                     if r is not None]
         if finished:
@@ -136,9 +134,6 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
-
-
-OutputQueue = "asyncio.Queue[EngineCoreOutput]"
 
 
 class AsyncEngineCore:

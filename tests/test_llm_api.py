@@ -3,7 +3,7 @@ from tokenizer_helpers import build_tokenizer
 
 from specloop import LLM, CompletionOutput, RequestOutput, SamplingParams
 from specloop.backends.scripted import scripted_continuation
-from specloop.frontend.output_processor import RequestState
+from specloop.frontend.output_processor import RequestTracker
 from specloop.kernel import EngineCoreOutput, FinishReason, Request, TokenLogprobs
 
 VOCAB = 400
@@ -88,7 +88,7 @@ def test_bad_input_raises_before_anything_is_enqueued(llm):
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(["a"], SamplingParams(temperature=-1.0), use_tqdm=False)
     assert llm.get_metrics()["num_requests_added"] == before
-    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.core.has_unfinished_requests()
     # The engine still serves.
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
@@ -119,7 +119,7 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     tok = Tokenizer(build_tokenizer(str(tmp_path), vocab_size=VOCAB))
     params = SamplingParams(logprobs=2, prompt_logprobs=1, max_tokens=3)
     req = Request("r", [10, 11, 12], params)
-    state = RequestState("r", None, [req], tok)
+    state = RequestTracker("r", None, [req], tok)
     lp = [TokenLogprobs(20, -0.5, 1, [20, 21], [-0.5, -1.5]), TokenLogprobs(30, -2.0, 3, [31, 32], [-0.1, -1.0])]
     prompt_lp = [None, TokenLogprobs(11, -3.0, 7, [40], [-0.2]), TokenLogprobs(12, -1.0, 1, [12], [-1.0])]
     state.process([EngineCoreOutput("r", [20], new_logprobs=lp[:1], new_prompt_logprobs=prompt_lp)])

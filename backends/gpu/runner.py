@@ -130,11 +130,9 @@ class GpuModelRunner(TorchModelRunner):
         the tokens written back into the device token rows, one D2H of the tokens."""
         pb = self.batch_state
         num_rows = batch.logits_indices.shape[0]
-        num_reqs = len(batch.req_ids)
         empty = [[] for _ in batch.req_ids]
         if num_rows == 0:
-            return ModelRunnerOutput(list(batch.req_ids), empty, num_draft_tokens=[0] * num_reqs,
-                                     num_accepted_tokens=[0] * num_reqs)
+            return ModelRunnerOutput(list(batch.req_ids), empty)
         with torch.inference_mode():
             if self._graph_logits is not None:
                 logits = (self._graph_logits[:num_rows] if num_rows == batch.num_tokens
@@ -159,8 +157,7 @@ class GpuModelRunner(TorchModelRunner):
                 token = values[first]
                 sampled[i] = [token]
                 pb.note_sampled(batch.req_ids[i], batch.attn_metadata.seq_lens_cpu[i], token)
-        return ModelRunnerOutput(list(batch.req_ids), sampled, num_draft_tokens=[0] * num_reqs,
-                                 num_accepted_tokens=[0] * num_reqs)
+        return ModelRunnerOutput(list(batch.req_ids), sampled)
 
     def sample(self, batch: InputBatch, meta: SamplingMetadata, logits: torch.Tensor,
                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
