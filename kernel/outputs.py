@@ -8,7 +8,6 @@ exactly one result (invariant 3).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .request import FinishReason
@@ -204,4 +203,3 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = field(default_factory=time.monotonic)

@@ -76,7 +76,7 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     if plugins is None:
         core = getattr(engine, "core", None)
         plugins = getattr(core, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
-    state = ServerState(engine, names or [engine.model_name], api_key, limits or ServerLimits(), plugins)
+    state = ServerState(engine, names or [engine.model_name], limits or ServerLimits())
     routes = [entry.load()(state) for entry in plugins.routes.entries()]
 
     @asynccontextmanager

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specloop.frontend.request_output import Logprob
-from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 
 from .errors import BadRequest, NotFound, from_value_error
@@ -46,13 +45,10 @@ class ServerState:
     """What every route needs: the engine, the served names, limits and metrics. Built once by
     :func:`~specloop.server.app.build_app`; ``inflight`` and ``draining`` change as requests come and go."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], api_key: str | None, limits: ServerLimits,
-                 plugins: PluginManager) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
-        self.api_key = api_key
         self.limits = limits
-        self.plugins = plugins
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.config.max_model_len
         self.vocab_size: int = engine.vocab_size
