@@ -20,6 +20,6 @@ __all__ = [
     "AsyncEngineCore", "CachedRequestData", "DraftTokenIds", "EngineConfig", "EngineCore", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineDeadError", "FinishReason", "KVCacheManager", "ModelRunner", "ModelRunnerOutput",
     "NewRequestData", "PluginManager", "Registry", "Request", "RequestStatus", "SamplingParams", "Scheduler",
-    "SchedulerOutput", "SchedulerStats", "SpecDecodingStats", "SpeculativeConfig", "TokenLogprobs", "UnknownComponentError",
-    "builtin_plugin_names", "hookimpl", "hookspec",
+    "SchedulerOutput", "SchedulerStats", "SpecDecodingStats", "SpeculativeConfig", "TokenLogprobs",
+    "UnknownComponentError", "builtin_plugin_names", "hookimpl", "hookspec",
 ]

@@ -93,7 +93,8 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped():
     assert {o.req_id: o.new_token_ids for o in outputs.outputs} == {"a": [1, 2, 3, 7], "b": [4, 7]}
     assert sched.requests["b"].spec_token_ids == []  # cleared once scheduled
     stats = outputs.scheduler_stats
-    assert (stats.spec_decoding.num_drafts, stats.spec_decoding.num_draft_tokens, stats.spec_decoding.num_accepted_tokens) == (2, 4, 4)
+    assert (stats.spec_decoding.num_drafts, stats.spec_decoding.num_draft_tokens,
+            stats.spec_decoding.num_accepted_tokens) == (2, 4, 4)
     assert stats.spec_decoding.accepted_per_position == [2, 1, 1]
 
 
