@@ -57,8 +57,7 @@ class BuiltEngine:
     config: EngineConfig  # resolved (max_model_len and the KV cache size filled in)
     core: EngineCore
     tokenizer: Tokenizer | None  # None when the engine runs without one
-    eos_token_ids: tuple[int, ...]
-    processor: InputProcessor
+    processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
     model_name: str
 
     @property
@@ -79,7 +78,7 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
     eos_token_ids = resolve_eos_token_ids(tokenizer, config.model)
     core = EngineCore(config, plugins)
     processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids)
-    return BuiltEngine(config, core, tokenizer, eos_token_ids, processor, model_name(config))
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config))
 
 
 def resolve_tokenizer(path: str) -> str:

@@ -212,9 +212,9 @@ class FCFSScheduler:
             n = num_scheduled[request.request_id]
             start = request.num_computed_tokens
             num_prompt_tokens += max(min(start + n, request.num_prompt_tokens) - start, 0)
-            # Optimistic: the runner computes these positions this step, so the next plan can be
-            # built before this result is committed; update_from_output rolls back the drafts the
-            # target rejects.
+            # Optimistic: every planned position counts as computed, drafts included, so the plan
+            # alone says what the runner will hold after this step; update_from_output rolls back
+            # the drafts the target rejects.
             request.num_computed_tokens = start + n
             request.spec_token_ids = []
             if request.scheduled_time is None:
