@@ -35,15 +35,13 @@ def _runner_requires_model(config: EngineConfig, plugins: PluginManager) -> bool
 
 
 def resolve_eos_token_ids(tokenizer: Tokenizer | None, model_dir: str | None) -> tuple[int, ...]:
-    """The engine's EOS ids: the tokenizer's ``eos_token`` first, then the model directory's
+    """The engine's EOS ids: the tokenizer's (its ``eos_token`` first), then the model directory's
     ``generation_config.json`` ids (``config.json``'s when it has none), without duplicates.
 
     Every request carries them (``Request.eos_token_ids``): the scheduler stops on them and the
     runner masks them while ``min_tokens`` is not reached.
     """
-    ids: list[int] = []
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    ids = list(tokenizer.eos_token_ids) if tokenizer is not None else []
     for tid in read_generation_eos_ids(model_dir):
         if tid not in ids:
             ids.append(tid)

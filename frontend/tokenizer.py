@@ -95,9 +95,9 @@ class Tokenizer:
 
     :param path: directory with ``tokenizer.json`` (and usually ``tokenizer_config.json``).
 
-    :attr:`eos_token_ids` is this directory's own view: its ``eos_token`` and its
-    ``generation_config.json`` ids. An engine's EOS ids also depend on its model directory; the
-    frontend resolves them once when it builds the engine
+    :attr:`eos_token_ids` is this directory's own view: its ``eos_token``, then its
+    ``generation_config.json`` ids. An engine's EOS ids add its model directory's; the frontend
+    resolves them once when it builds the engine
     (:func:`specloop.frontend.engine_builder.resolve_eos_token_ids`).
     """
 

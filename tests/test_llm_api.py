@@ -137,3 +137,42 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     assert len(final.prompt_logprobs) == 3 and final.finished
     second = state.delta_output()
     assert second.prompt_logprobs is None and second.outputs[0].logprobs[0][30].logprob == -2.0
+
+
+def test_eos_ids_are_resolved_once_from_tokenizer_and_model_directory(tmp_path, tok_dir):
+    """The engine's EOS ids come from the tokenizer and the model directory's generation config,
+    never from the model runner, and every request the frontend builds carries them."""
+    import json
+
+    from specloop.backends.scripted import ScriptedModelRunner
+    from specloop.kernel import PluginManager, hookimpl
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+
+    class RunnerWithEos(ScriptedModelRunner):
+        eos_token_ids = (99,)
+
+    class Plugin:
+        @hookimpl
+        def specloop_register_model_runners(self, register):
+            register("runner_with_eos", RunnerWithEos)
+
+    options = dict(model_runner="runner_with_eos", max_model_len=64,
+                   plugin_options={"scripted": {"vocab_size": VOCAB}})
+    llm = LLM(str(model_dir), tokenizer=tok_dir, plugins=PluginManager([Plugin()], load_entrypoints=False),
+              **options)
+    tok = llm.get_tokenizer()
+    assert llm.processor.eos_token_ids == (tok.eos_token_id, 5, 7)
+    (request,) = llm.processor.make_requests("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert request.eos_token_ids == (tok.eos_token_id, 5, 7)
+    # Without a tokenizer only the model directory's ids remain; config.json's only without them.
+    bare = LLM(str(model_dir), skip_tokenizer_init=True,
+               plugins=PluginManager([Plugin()], load_entrypoints=False), **options)
+    assert bare.processor.eos_token_ids == (5, 7)
+    (model_dir / "generation_config.json").unlink()
+    bare = LLM(str(model_dir), skip_tokenizer_init=True,
+               plugins=PluginManager([Plugin()], load_entrypoints=False), **options)
+    assert bare.processor.eos_token_ids == (9,)
