@@ -142,8 +142,8 @@ def _builtin_entry_points() -> list[importlib.metadata.EntryPoint]:
         raise RuntimeError(f"specloop's built-in plugins are entry points of the installed "
                            f"{BUILTIN_DISTRIBUTION!r} distribution, which is not installed in this "
                            "environment; install the package (e.g. `pip install -e .`)") from None
-    # By name, whatever order the build backend wrote them in: registration order is the order of
-    # each registry's names and of the event hooks' calls.
+    # By name, whatever order the build backend wrote them in: the registration order decides the
+    # order of hook calls and of each registry's names, so it must not depend on the backend.
     return sorted((ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
 
@@ -208,7 +208,7 @@ class PluginManager:
     def _collect(self, kind: str) -> Registry:
         registry = Registry(kind)
         caller = getattr(self.pm.hook, f"specloop_register_{kind}")
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's call order: the last registered first
             source = f"{impl.plugin_name} ({self._sources.get(impl.plugin_name, '?')})"
 
             def register(name: str, factory: Any, _source: str = source) -> None:
