@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "specloop.frontend.llm",
     "AsyncEngine": "specloop.frontend.async_engine",
-    "RequestOutput": "specloop.frontend.outputs",
-    "CompletionOutput": "specloop.frontend.outputs",
+    "RequestOutput": "specloop.frontend.request_output",
+    "CompletionOutput": "specloop.frontend.request_output",
     "SamplingParams": "specloop.kernel.sampling_params",
     "EngineConfig": "specloop.kernel.config",
     "SpeculativeConfig": "specloop.kernel.config",

@@ -1,4 +1,5 @@
-"""``specloop`` command line: ``serve``, ``generate`` and ``plugins``.
+"""``specloop`` command line: builds the parser for ``serve``, ``generate`` and ``plugins`` and
+dispatches to the server's launcher or the frontend's terminal streaming.
 
 Imports stay lazy so ``specloop --help`` never loads torch.
 """
@@ -6,47 +7,10 @@ Imports stay lazy so ``specloop --help`` never loads torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import typing
-from typing import Any, Sequence
+from typing import Sequence
 
-from specloop.kernel.config import EngineConfig
-
-_SKIP = {"model", "plugin_options", "speculative_config", "disable_plugins"}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per :class:`EngineConfig` field, with vLLM's spelling (dashes)."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _SKIP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        hint = str(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if "bool" in hint:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif "int" in hint and "float" not in hint:
-            group.add_argument(flag, type=int, default=default)
-        elif "float" in hint:
-            group.add_argument(flag, type=float, default=default)
-        else:
-            group.add_argument(flag, type=str, default=default)
-    group.add_argument("--speculative-config", type=str, default=None,
-                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    group.add_argument("--disable-plugin", action="append", default=[], dest="disable_plugins",
-                       help="block a plugin by name (repeatable)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine args present on ``args`` as ``EngineConfig`` keyword arguments."""
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name not in _SKIP and hasattr(args, f.name)}
-    kwargs["speculative_config"] = getattr(args, "speculative_config", None)
-    kwargs["disable_plugins"] = tuple(getattr(args, "disable_plugins", ()) or ())
-    return kwargs
+from specloop.frontend.engine_args import add_engine_args, engine_kwargs
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -105,12 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plugins":
         return _cmd_plugins(args)
     if args.command == "generate":
-        from specloop.frontend.cli import run_generate
+        from specloop.frontend.terminal import run_generate
 
-        return run_generate(args)
-    from specloop.server.cli import run_serve
+        return run_generate(args, engine_kwargs(args))
+    from specloop.server.launcher import run_serve
 
-    return run_serve(args)
+    return run_serve(args, engine_kwargs(args))
 
 
 if __name__ == "__main__":

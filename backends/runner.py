@@ -342,3 +342,10 @@ class ModelRunner:
 def torch_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
     """The ``"torch"`` runner: the reference parts, any torch device."""
     return ModelRunner(config, plugins, TorchPlatform())
+
+
+def auto_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
+    """The default: the ``"gpu"`` runner when the device is CUDA, else the ``"torch"`` runner."""
+    if resolve_device(config.device).type == "cuda":
+        return plugins.model_runners.create("gpu", config=config, plugins=plugins)
+    return torch_model_runner(config, plugins)

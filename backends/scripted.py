@@ -80,7 +80,7 @@ class ScriptedModelRunner:
     def sample_tokens(self) -> ModelRunnerOutput:
         plan, self._plan = self._plan, None
         assert plan is not None, "sample_tokens without execute_model"
-        req_ids, sampled, n_draft, n_acc = [], [], [], []
+        req_ids, sampled = [], []
         drafts = DraftTokenIds([], [])
         k = self.config.num_lookahead_tokens
         for rid, n in plan.num_scheduled_tokens.items():
@@ -88,10 +88,8 @@ class ScriptedModelRunner:
             spec = plan.scheduled_spec_decode_tokens.get(rid, [])
             end = state.num_computed + n
             req_ids.append(rid)
-            n_draft.append(len(spec))
             if end < len(state.token_ids) + len(spec):  # partial prefill: nothing to sample yet
                 sampled.append([])
-                n_acc.append(0)
                 continue
             history = list(state.token_ids)
             out: list[int] = []
@@ -104,7 +102,6 @@ class ScriptedModelRunner:
             else:
                 out.append(scripted_next_token(history, self.vocab_size))
             sampled.append(out)
-            n_acc.append(len(out) - 1)
             if k:
                 history = list(state.token_ids) + out
                 proposal = []
@@ -117,7 +114,7 @@ class ScriptedModelRunner:
                 drafts.req_ids.append(rid)
                 drafts.draft_token_ids.append(proposal)
         self._drafts = drafts if drafts.req_ids else None
-        return ModelRunnerOutput(req_ids, sampled, num_draft_tokens=n_draft, num_accepted_tokens=n_acc)
+        return ModelRunnerOutput(req_ids, sampled)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None

@@ -59,14 +59,14 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
         rows.append({"batch": b, "tok_s": tok_s, "ms_per_step": 1e3 * elapsed / args.output_len,
                      "roofline_tok_s": roof, "pct_of_roofline": 100 * tok_s / roof, "runs_s": times})
         report(f"{shape} batch {b}", rows[-1])
-    runner = llm.engine_core.runner
+    runner = llm.core.runner
     executor = runner.parts.executor
     result = {"shape": shape, "init_s": init_s, "runner": type(runner).__name__,
               "graph_replays": getattr(executor, "num_replays", 0),
               "decode_attention_tile": getattr(runner.attn_backend, "decode_config", None),
               "decode_attention_tuning_us": getattr(runner.attn_backend, "decode_tuning", {}),
               "bytes_per_token_batch1": cost.weight_bytes + mean_ctx * cost.kv_bytes_per_token, "rows": rows}
-    llm.engine_core.shutdown()
+    llm.core.shutdown()
     del llm
     import gc
 

@@ -16,6 +16,17 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/specloop && export PYTHONPATH=/tmp/pkg:${PYTHONPATH:-}
+# The tree is importable without installing it; the built-in plugins are the distribution's entry
+# points, so give it the metadata an install would write.
+python3 - <<'PY'
+import pathlib, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path(f"/tmp/pkg/specloop-{project['version']}.dist-info")
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: specloop\nVersion: {project['version']}\n")
+eps = "".join(f"{k} = {v}\n" for k, v in project["entry-points"]["specloop"].items())
+(info / "entry_points.txt").write_text("[specloop]\n" + eps)
+PY
 
 pack() { tar czf "$OUT/results.tgz" -C "$RES" . 2>/dev/null; }
 stage() {  # stage NAME SECONDS CMD...

@@ -76,7 +76,7 @@ def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Na
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner)
     init_s = time.perf_counter() - t0
-    runner = llm.engine_core.runner
+    runner = llm.core.runner
     # Warm-up: every kernel variant the run needs (prefill tiles, decode graphs, sampling).
     llm.generate([p for p, _ in work[:8]], SamplingParams(temperature=args.temperature, max_tokens=16,
                                                           ignore_eos=True), use_tqdm=False)
@@ -102,7 +102,7 @@ def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Na
     backend = runner.attn_backend
     tile = {"decode_attention_tile": getattr(backend, "decode_config", None),
             "decode_attention_tuning_us": getattr(backend, "decode_tuning", {})}
-    llm.engine_core.shutdown()  # frees the KV cache and graph pools for the peer
+    llm.core.shutdown()  # frees the KV cache and graph pools for the peer
     return {"tok_s": generated / elapsed, "elapsed_s": elapsed, "output_tokens": generated, "init_s": init_s,
             "steps": len(recorder.steps), "decode_steps": len(decode), "runner": type(runner).__name__,
             "num_kv_blocks": llm.config.num_kv_blocks, "preemptions": metrics.get("num_preemptions"),

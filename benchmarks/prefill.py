@@ -74,7 +74,7 @@ def main() -> None:
                                "pct_of_matmul_peak": 100 * flops / elapsed / flops_peak, "runs_s": times}
         rows.append(row)
         report(f"prompt {length} x {args.batch}", row)
-    llm.engine_core.shutdown()
+    llm.core.shutdown()
     result = {"benchmark": "prefill", "env": env, "config": vars(args), "matmul_flops": flops_peak, "rows": rows}
     save(args.out, "prefill", result)
     plot(args.out, "prefill", {"specloop TFLOP/s": ([r["prompt_len"] for r in rows], [r["tflop_s"] for r in rows]),

@@ -101,7 +101,7 @@ def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dic
     from specloop.kernel.request import Request
     from specloop.kernel.sampling_params import SamplingParams
 
-    core = llm.engine_core
+    core = llm.core
     device = core.runner.device
     rng = np.random.default_rng(batch)
     params = SamplingParams(temperature=0.0, max_tokens=args.warm_steps + 2 * args.steps + 8, ignore_eos=True)
@@ -152,7 +152,7 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
               model_runner="gpu")
-    backend = llm.engine_core.runner.attn_backend
+    backend = llm.core.runner.attn_backend
     report("decode attention tile (timed at start-up, us)", {"chosen": backend.decode_config, **backend.decode_tuning})
     rows = []
     for b in tqdm(args.batch_sizes, desc="batch sizes"):
@@ -164,7 +164,7 @@ def main() -> None:
                               **{f"{p} ms": 1e3 * v for p, v in rows[-1]["phases_s"].items()}})
         report(f"batch {b}: top kernels (us per step, calls per step)",
                {k["kernel"]: f"{k['us_per_step']:.1f} us  x{k['calls_per_step']:.0f}" for k in rows[-1]["kernels"]})
-    llm.engine_core.shutdown()
+    llm.core.shutdown()
     save(args.out, "step_breakdown", {"benchmark": "step_breakdown", "env": env, "config": vars(args), "rows": rows})
     xs = [r["batch"] for r in rows]
     plot(args.out, "step_breakdown", {p: (xs, [1e3 * r["phases_s"][p] for r in rows]) for p in PHASES},

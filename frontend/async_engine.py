@@ -18,9 +18,9 @@ from specloop.kernel.request import FinishReason
 from specloop.kernel.sampling_params import SamplingParams
 
 from .input_processor import PromptType
-from .loader import LoadedEngine, make_config
-from .output_processor import EngineStats, RequestState
-from .outputs import RequestOutput
+from .engine_builder import build_engine, make_config
+from .output_processor import EngineStats, RequestTracker
+from .request_output import RequestOutput
 from .tokenizer import Tokenizer
 
 
@@ -34,18 +34,17 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, *,
                  step_in_thread: bool = True) -> None:
-        loaded = LoadedEngine(config, plugins)
-        self.config: EngineConfig = loaded.config
-        self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.model_name: str = loaded.model_name
-        self.vocab_size: int = loaded.vocab_size
-        self.eos_token_ids = loaded.eos_token_ids
-        self.processor = loaded.processor
-        self.engine_core = AsyncEngineCore(loaded.core, step_in_thread=step_in_thread)
+        built = build_engine(config, plugins)
+        self.config: EngineConfig = built.config
+        self.tokenizer: Tokenizer | None = built.tokenizer
+        self.model_name: str = built.model_name
+        self.vocab_size: int = built.vocab_size
+        self.processor = built.processor
+        self.async_core = AsyncEngineCore(built.core, step_in_thread=step_in_thread)
         self.stats = EngineStats()
-        self.engine_core.on_outputs.append(self._record_step)
+        self.async_core.on_outputs.append(self._record_step)
         # Live requests by the caller's id, and the output queue their completions share.
-        self._states: dict[str, RequestState] = {}
+        self._states: dict[str, RequestTracker] = {}
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._shut_down = False
 
@@ -58,27 +57,27 @@ class AsyncEngine:
     @property
     def core(self) -> EngineCore:
         """The synchronous core (its plugins, scheduler and runner), for the server and tests."""
-        return self.engine_core.core
+        return self.async_core.core
 
     @property
     def is_running(self) -> bool:
-        return self.engine_core.is_running
+        return self.async_core.is_running
 
     @property
     def errored(self) -> BaseException | None:
-        return self.engine_core.errored
+        return self.async_core.errored
 
     async def start(self) -> None:
         """Start the busy loop on the running event loop; calling it again does nothing."""
         if self._shut_down:
             raise EngineDeadError("the engine has been shut down")
-        self.engine_core.start()
+        self.async_core.start()
 
     async def shutdown(self) -> None:
         if self._shut_down:
             return
         self._shut_down = True
-        await self.engine_core.shutdown()
+        await self.async_core.shutdown()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` (a vLLM-like message) when the request cannot be served."""
@@ -109,15 +108,15 @@ class AsyncEngine:
         await self.start()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state = RequestState(request_id, prompt_text, requests, self.tokenizer)
+        state = RequestTracker(request_id, prompt_text, requests, self.tokenizer)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         added: list[str] = []
         try:
             for request in requests:
-                self.engine_core.add_request(request, queue)
+                self.async_core.add_request(request, queue)
                 added.append(request.request_id)
         except BaseException:
-            self.engine_core.abort(added)
+            self.async_core.abort(added)
             raise
         self._states[request_id] = state
         self._queues[request_id] = queue
@@ -129,7 +128,7 @@ class AsyncEngine:
                     outs.append(queue.get_nowait())
                 to_abort = state.process(outs)
                 if to_abort:
-                    self.engine_core.abort(to_abort)
+                    self.async_core.abort(to_abort)
                 if state.error is not None and any(o.finish_reason == FinishReason.ERROR for o in outs):
                     raise EngineDeadError(state.error)
                 out = state.delta_output() if delta else state.output()
@@ -137,7 +136,7 @@ class AsyncEngine:
                     yield out
         finally:
             if not state.finished:
-                self.engine_core.abort(state.unfinished_ids())
+                self.async_core.abort(state.unfinished_ids())
                 state.abort()
             self._states.pop(request_id, None)
             self._queues.pop(request_id, None)
@@ -148,10 +147,10 @@ class AsyncEngine:
         Unknown or finished ids are ignored."""
         state = self._states.get(request_id)
         if state is None:
-            self.engine_core.abort([request_id])
+            self.async_core.abort([request_id])
             return
         ids = state.unfinished_ids()
-        self.engine_core.abort(ids)  # drops the core's queues for them: later outputs are dropped
+        self.async_core.abort(ids)  # drops the core's queues for them: later outputs are dropped
         queue = self._queues[request_id]
         for rid in ids:
             queue.put_nowait(EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT))

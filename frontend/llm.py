@@ -17,9 +17,9 @@ from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 
 from .input_processor import PromptType
-from .loader import LoadedEngine, make_config
-from .output_processor import EngineStats, RequestState
-from .outputs import RequestOutput
+from .engine_builder import build_engine, make_config
+from .output_processor import EngineStats, RequestTracker
+from .request_output import RequestOutput
 from .tokenizer import Tokenizer
 
 Conversation = list[dict[str, Any]]
@@ -32,12 +32,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None,
                  **engine_args: Any) -> None:
-        loaded = LoadedEngine(make_config(model, engine_args), plugins)
-        self.config = loaded.config
-        self.engine_core: EngineCore = loaded.core
-        self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.processor = loaded.processor
-        self.model_name = loaded.model_name
+        built = build_engine(make_config(model, engine_args), plugins)
+        self.config = built.config
+        self.core: EngineCore = built.core
+        self.tokenizer: Tokenizer | None = built.tokenizer
+        self.processor = built.processor
+        self.model_name = built.model_name
         self.stats = EngineStats()
         self._ids = itertools.count()
 
@@ -99,21 +99,21 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             parsed.append((text, ids, params))
-        states: list[RequestState] = []
-        owner: dict[str, RequestState] = {}
+        states: list[RequestTracker] = []
+        owner: dict[str, RequestTracker] = {}
         for text, ids, params in parsed:
             request_id = str(next(self._ids))
             requests = self.processor.make_requests(request_id, ids, params)
-            state = RequestState(request_id, text, requests, self.tokenizer)
+            state = RequestTracker(request_id, text, requests, self.tokenizer)
             states.append(state)
             owner.update((r.request_id, state) for r in requests)
-            self.engine_core.add_requests(requests)
+            self.core.add_requests(requests)
             self.stats.num_requests_added += len(requests)
         self._step_until_done(owner, len(states), use_tqdm)
         return [state.output() for state in states]
 
-    def _step_until_done(self, owner: dict[str, RequestState], total: int, use_tqdm: bool) -> None:
-        core = self.engine_core
+    def _step_until_done(self, owner: dict[str, RequestTracker], total: int, use_tqdm: bool) -> None:
+        core = self.core
         bar = tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         generated = 0
         try:
@@ -121,7 +121,7 @@ class LLM:
                 outputs = core.step()
                 core.post_step()
                 self.stats.record_step(outputs.scheduler_stats)
-                by_state: dict[int, tuple[RequestState, list[EngineCoreOutput]]] = {}
+                by_state: dict[int, tuple[RequestTracker, list[EngineCoreOutput]]] = {}
                 for out in outputs.outputs:
                     state = owner.get(out.req_id)
                     if state is not None:

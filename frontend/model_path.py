@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 DEFAULT_MODEL_NAME = "specloop-tiny"
-DEFAULT_DRAFT_MODEL_NAME = "specloop-tiny-draft"
 _DEFAULT_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "default_models")
 
 

@@ -1,19 +1,19 @@
-"""From the core's ``EngineCoreOutput``s back to client semantics (seed 004 §11.2): incremental text,
-stop strings, logprobs with decoded tokens, metrics, and the aggregation of ``n`` child requests
-into one ``RequestOutput``. Also the engine-wide counters behind ``get_metrics()``."""
+"""From the core's ``EngineCoreOutput``s back to client semantics: incremental text, stop strings,
+logprobs with decoded tokens, metrics, and the aggregation of ``n`` child requests into one
+``RequestOutput``. Also the engine-wide counters behind ``get_metrics()``."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specloop.kernel.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from specloop.kernel.outputs import EngineCoreOutput, SchedulerStats, SpecDecodingStats, TokenLogprobs
 from specloop.kernel.request import FinishReason, Request
 from specloop.kernel.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, NullDetokenizer
-from .outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from .request_output import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from .tokenizer import Tokenizer
 
 
@@ -22,7 +22,7 @@ def _wall_time(monotonic_t: float | None) -> float | None:
     return None if monotonic_t is None else time.time() - (time.monotonic() - monotonic_t)
 
 
-class CompletionState:
+class CompletionTracker:
     """One completion (one core request) of a parent request."""
 
     def __init__(self, index: int, request: Request, tokenizer: Tokenizer | None) -> None:
@@ -103,7 +103,7 @@ def logprob_dict(entry: TokenLogprobs, tokenizer: Tokenizer | None) -> dict[int,
     return out
 
 
-class RequestState:
+class RequestTracker:
     """A request as the caller sees it: its ``n`` completions, prompt logprobs and metrics.
 
     :param requests: the core requests of this parent, in completion order (one when ``n == 1``).
@@ -115,7 +115,7 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = requests[0].prompt_token_ids
         self.requests = requests
-        self.completions = {r.request_id: CompletionState(i, r, tokenizer) for i, r in enumerate(requests)}
+        self.completions = {r.request_id: CompletionTracker(i, r, tokenizer) for i, r in enumerate(requests)}
         self.tokenizer = tokenizer
         wants_prompt_logprobs = requests[0].sampling_params.prompt_logprobs is not None
         self.prompt_logprobs: PromptLogprobs | None = [] if wants_prompt_logprobs else None
@@ -215,10 +215,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     num_steps: int = 0
 
     def record_step(self, stats: SchedulerStats | None) -> None:
@@ -233,26 +230,23 @@ class EngineStats:
         self.kv_cache_usage = stats.kv_cache_usage
         self.num_running_reqs = stats.num_running_reqs
         self.num_waiting_reqs = stats.num_waiting_reqs
-        self.spec_num_drafts += stats.num_drafts
-        self.spec_num_draft_tokens += stats.num_draft_tokens
-        self.spec_num_accepted_tokens += stats.num_accepted_tokens
-        per_pos = self.spec_num_accepted_tokens_per_pos
-        for i, n in enumerate(stats.num_accepted_tokens_per_pos):
-            if i < len(per_pos):
-                per_pos[i] += n
-            else:
-                per_pos.append(n)
+        self.spec_decoding.merge(stats.spec_decoding)
 
-    def record_finished(self, state: RequestState) -> None:
+    def record_finished(self, state: RequestTracker) -> None:
         for c in state.completions.values():
             reason = c.finish_reason or FinishReason.ABORT.value
             self.num_requests_finished[reason] = self.num_requests_finished.get(reason, 0) + 1
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        """What ``get_metrics()`` returns: every counter by name, speculative decoding under ``spec_*``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec_decoding"}
+        d["num_requests_finished"] = dict(self.num_requests_finished)
         d["prefix_cache_hit_rate"] = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        d["spec_acceptance_rate"] = (self.spec_num_accepted_tokens / self.spec_num_draft_tokens
-                                     if self.spec_num_draft_tokens else 0.0)
-        d["spec_mean_acceptance_length"] = (1 + self.spec_num_accepted_tokens / self.spec_num_drafts
-                                            if self.spec_num_drafts else 0.0)
+        spec = self.spec_decoding
+        d["spec_num_drafts"] = spec.num_drafts
+        d["spec_num_draft_tokens"] = spec.num_draft_tokens
+        d["spec_num_accepted_tokens"] = spec.num_accepted_tokens
+        d["spec_num_accepted_tokens_per_pos"] = list(spec.accepted_per_position)
+        d["spec_acceptance_rate"] = spec.acceptance_rate
+        d["spec_mean_acceptance_length"] = spec.mean_acceptance_length
         return d

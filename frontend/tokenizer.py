@@ -94,11 +94,14 @@ class Tokenizer:
     """Encode, decode and chat-template rendering for one tokenizer directory.
 
     :param path: directory with ``tokenizer.json`` (and usually ``tokenizer_config.json``).
-    :param model_dir: the model directory, whose ``generation_config.json`` EOS ids are merged into
-        :attr:`eos_token_ids` (defaults to ``path``).
+
+    :attr:`eos_token_ids` is this directory's own view: its ``eos_token``, then its
+    ``generation_config.json`` ids. An engine's EOS ids add its model directory's; the frontend
+    resolves them once when it builds the engine
+    (:func:`specloop.frontend.engine_builder.resolve_eos_token_ids`).
     """
 
-    def __init__(self, path: str, model_dir: str | None = None) -> None:
+    def __init__(self, path: str) -> None:
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
             raise FileNotFoundError(f"no tokenizer.json in {path!r}; pass a directory with a Hugging Face fast "
@@ -127,7 +130,7 @@ class Tokenizer:
                 special.add(added[0])
         self.all_special_ids: list[int] = sorted(t for t in special if t is not None)
         eos = [self.eos_token_id] if self.eos_token_id is not None else []
-        for tid in read_generation_eos_ids(model_dir or path):
+        for tid in read_generation_eos_ids(path):
             if tid not in eos:
                 eos.append(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)

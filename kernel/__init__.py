@@ -10,8 +10,8 @@ from .config import EngineConfig, SpeculativeConfig
 from .engine_core import AsyncEngineCore, EngineCore, EngineDeadError
 from .hookspecs import hookimpl, hookspec
 from .outputs import (CachedRequestData, DraftTokenIds, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput,
-                      NewRequestData, SchedulerOutput, SchedulerStats, TokenLogprobs)
-from .plugins import PluginManager, Registry, UnknownComponentError
+                      NewRequestData, SchedulerOutput, SchedulerStats, SpecDecodingStats, TokenLogprobs)
+from .plugins import PluginManager, Registry, UnknownComponentError, builtin_plugin_names
 from .protocols import KVCacheManager, ModelRunner, Scheduler
 from .request import FinishReason, Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -20,6 +20,6 @@ __all__ = [
     "AsyncEngineCore", "CachedRequestData", "DraftTokenIds", "EngineConfig", "EngineCore", "EngineCoreOutput",
     "EngineCoreOutputs", "EngineDeadError", "FinishReason", "KVCacheManager", "ModelRunner", "ModelRunnerOutput",
     "NewRequestData", "PluginManager", "Registry", "Request", "RequestStatus", "SamplingParams", "Scheduler",
-    "SchedulerOutput", "SchedulerStats", "SpeculativeConfig", "TokenLogprobs", "UnknownComponentError",
-    "hookimpl", "hookspec",
+    "SchedulerOutput", "SchedulerStats", "SpecDecodingStats", "SpeculativeConfig", "TokenLogprobs",
+    "UnknownComponentError", "builtin_plugin_names", "hookimpl", "hookspec",
 ]

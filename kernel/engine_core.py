@@ -1,4 +1,4 @@
-"""The microkernel: one engine step, and the busy loop that drives it (seed 000's tree).
+"""The microkernel: one engine step, and the busy loop that drives it.
 
 ::
 
@@ -43,7 +43,9 @@ class EngineCore:
         self.hooks = self.plugins.hooks
         self.hooks.configure(config)
         if runner is None:
-            runner = self.plugins.model_runners.create(self._runner_name(), config=config, plugins=self.plugins)
+            # "auto" is whichever runner the registered runners' plugin picks for the device.
+            runner = self.plugins.model_runners.create(config.model_runner or "auto", config=config,
+                                                       plugins=self.plugins)
         self.runner = runner
         config.resolve(runner.model_max_len)
         num_blocks = runner.initialize()
@@ -52,17 +54,8 @@ class EngineCore:
                                                              num_blocks=num_blocks)
         self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
                                                                    kv_cache=self.kv_cache)
-        self.step_id = 0
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)
-
-    def _runner_name(self) -> str:
-        if self.config.model_runner:
-            return self.config.model_runner
-        runners = self.plugins.model_runners
-        if "gpu" in runners and self.config.device in ("auto", "cuda") and _cuda_available():
-            return "gpu"
-        return "torch"
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -103,7 +96,6 @@ class EngineCore:
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(plan, result)
         t3 = time.perf_counter()
-        self.step_id = plan.step_id
         self._emit_step_events(plan, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
         return outputs
@@ -115,10 +107,10 @@ class EngineCore:
 
     def _emit_step_events(self, plan: SchedulerOutput, result: ModelRunnerOutput, outputs: EngineCoreOutputs,
                           timings: dict[str, float]) -> None:
-        stats = outputs.scheduler_stats
-        if stats is not None and stats.num_drafts:
-            self.hooks.drafts_verified(plan.step_id, stats.num_drafts, stats.num_draft_tokens,
-                                       stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos))
+        spec = outputs.scheduler_stats.spec_decoding if outputs.scheduler_stats is not None else None
+        if spec is not None and spec.num_drafts:
+            self.hooks.drafts_verified(plan.step_id, spec.num_drafts, spec.num_draft_tokens,
+                                       spec.num_accepted_tokens, list(spec.accepted_per_position))
         finished = [r for r in (self.requests.pop(o.req_id, None) for o in outputs.outputs if o.finished)
                     if r is not None]
         if finished:
@@ -128,17 +120,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.hooks.shutdown(self)
         self.runner.shutdown()
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-OutputQueue = "asyncio.Queue[EngineCoreOutput]"
 
 
 class AsyncEngineCore:

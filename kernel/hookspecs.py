@@ -62,7 +62,7 @@ def specloop_register_attention_backends(register: Register) -> None:
     Fires once while the engine's plugin manager is built.
 
     :param register: ``register(name, factory)``; ``factory(config: EngineConfig)`` returns an
-        attention backend object understood by the model runner (see ``specloop.backends``).
+        attention backend, an object the model runner that selects it knows how to call.
         Selected by ``EngineConfig.attention_backend``.
     """
 
@@ -97,7 +97,10 @@ def specloop_register_proposers(register: Register) -> None:
     Fires once while the engine's plugin manager is built.
 
     :param register: ``register(name, factory)``; ``name`` is a ``speculative_config["method"]``
-        and ``factory(config: EngineConfig, runner)`` returns a proposer (see ``specloop.proposers``).
+        and ``factory(config: EngineConfig, context: ProposerContext)`` returns a proposer. The
+        context (``specloop.proposers.base.ProposerContext``) is a typed view of what the target
+        model offers a proposer (device, dtype, model config, embedding and head, hidden-state
+        taps), never the runner itself.
     """
 
 
@@ -106,11 +109,11 @@ def specloop_register_routes(register: Register) -> None:
     """Contribute HTTP routes to ``specloop serve``.
 
     Fires once while the engine's plugin manager is built; the server calls every factory when it
-    builds its app (the built-in endpoints come from ``specloop.server.routes`` this way).
+    builds its app (the built-in endpoints are registered this way too).
 
     :param register: ``register(name, factory)``; ``factory(state)`` returns a
-        ``starlette.routing.BaseRoute``; ``state`` is the app's
-        :class:`specloop.server.app.ServerState` (engine, served names, limits, metrics).
+        ``starlette.routing.BaseRoute``; ``state`` is the server's state object (the engine, the
+        served model names, the limits and the metrics).
     """
 
 

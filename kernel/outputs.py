@@ -8,7 +8,6 @@ exactly one result (invariant 3).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from .request import FinishReason
@@ -60,8 +59,6 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str] = frozenset()
     # Requests preempted since the last plan: the runner drops their state too.
     preempted_req_ids: frozenset[str] = frozenset()
-    # Draft slots reserved past the scheduled tokens for the next step's proposals.
-    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -89,7 +86,7 @@ class ModelRunnerOutput:
 
     ``sampled_token_ids[i]`` is empty for a request whose prefill is still partial this step, one
     token for a plain decode, and up to K+1 tokens (accepted drafts + the target's token) when drafts
-    were verified.
+    were verified; the scheduler counts the accepted drafts from that and the plan.
     """
 
     req_ids: list[str]
@@ -98,9 +95,6 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Per request with prompt_logprobs: entries for the prompt positions computed this step.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
-    # Per request: how many drafts the rejection sampler saw and accepted this step.
-    num_draft_tokens: list[int] | None = None
-    num_accepted_tokens: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.sampled_token_ids):
@@ -137,6 +131,58 @@ class EngineCoreOutput:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative-decoding acceptance over some span of steps: one step (the scheduler's
+    ``SchedulerStats.spec_decoding``), a logging window or an engine's lifetime (the metrics plugin,
+    the frontend's ``get_metrics()``). Every counter of acceptance in specloop is one of these."""
+
+    num_drafts: int = 0  # verifications: requests whose drafts a step verified
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    # [i]: verifications whose draft at position i was accepted (as long as the longest draft seen).
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request's drafts were verified; the first ``num_accepted_tokens`` were accepted."""
+        self.add(1, num_draft_tokens, num_accepted_tokens,
+                 [1] * num_accepted_tokens + [0] * (num_draft_tokens - num_accepted_tokens))
+
+    def add(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+            accepted_per_position: list[int]) -> None:
+        self.num_drafts += num_drafts
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.accepted_per_position
+        per_pos.extend([0] * (len(accepted_per_position) - len(per_pos)))
+        for i, n in enumerate(accepted_per_position):
+            per_pos[i] += n
+
+    def merge(self, other: SpecDecodingStats) -> None:
+        self.add(other.num_drafts, other.num_draft_tokens, other.num_accepted_tokens, other.accepted_per_position)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens one verification commits on average: the accepted drafts plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of verifications whose draft ``i`` was accepted."""
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+    def format(self) -> str:
+        per_pos = ", ".join(f"{a:.2f}" for a in self.per_position_acceptance)
+        return (f"Speculative decoding: mean acceptance length {self.mean_acceptance_length:.2f}, "
+                f"acceptance rate {100 * self.acceptance_rate:.1f}% ({self.num_accepted_tokens}/"
+                f"{self.num_draft_tokens} draft tokens, {self.num_drafts} drafts), "
+                f"per-position acceptance {per_pos}")
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     """A snapshot taken after each step. Set by the scheduler."""
 
@@ -148,11 +194,7 @@ class SchedulerStats:
     num_preemptions: int = 0  # since the last snapshot
     num_prompt_tokens: int = 0  # scheduled prompt tokens this step
     num_generation_tokens: int = 0  # committed output tokens this step
-    # Speculative decoding, this step.
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # drafts verified this step
 
 
 @dataclass(slots=True)
@@ -161,4 +203,3 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = field(default_factory=time.monotonic)

@@ -1,33 +1,31 @@
-"""The plugin manager: one per engine, built-ins registered exactly like third-party plugins."""
+"""The plugin manager: one per engine, built-ins registered exactly like third-party plugins.
+
+The kernel names no built-in. specloop's own plugins are announced the way any package announces
+one: as entry points in group ``specloop`` of the ``specloop`` distribution (its ``pyproject.toml``),
+each named after its module so ``--disable-plugin specloop.plugins.scheduler`` blocks it.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
 from . import hookspecs
 
-ENTRY_POINT_GROUP = "specloop"
-DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
+    from .request import Request
 
-# Built-in plugins, registered in this order before entry-point plugins. Each is a module with
-# ``@hookimpl`` functions; none is special-cased anywhere else.
-DEFAULT_PLUGINS: tuple[str, ...] = (
-    "specloop.backends.scripted",
-    "specloop.backends.plugin",
-    "specloop.models.plugin",
-    "specloop.plugins.kv_cache",
-    "specloop.plugins.scheduler",
-    "specloop.plugins.spec_metrics",
-    "specloop.plugins.tracing",
-    "specloop.proposers.plugin",
-    "specloop.server.routes",
-)
+ENTRY_POINT_GROUP = "specloop"
+BUILTIN_DISTRIBUTION = "specloop"
+DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",
                    "proposers", "routes")
@@ -91,12 +89,16 @@ class Registry:
 
 
 class Hooks:
-    """Typed wrappers around the event hooks, so callers pass keywords and get checking."""
+    """Typed call sites of the event hooks, so callers pass keywords and get checking.
+
+    Each method is named after its hookspec without the ``specloop_`` prefix and takes exactly the
+    hookspec's parameters (a meta-test in ``tests/test_hookspecs.py`` holds them together).
+    """
 
     def __init__(self, pm: pluggy.PluginManager) -> None:
         self._h = pm.hook
 
-    def configure(self, config: Any) -> None:
+    def configure(self, config: EngineConfig) -> None:
         self._h.specloop_configure(config=config)
 
     def startup(self, engine: Any) -> None:
@@ -105,19 +107,20 @@ class Hooks:
     def shutdown(self, engine: Any) -> None:
         self._h.specloop_shutdown(engine=engine)
 
-    def request_added(self, requests: list[Any]) -> None:
+    def request_added(self, requests: list[Request]) -> None:
         self._h.specloop_request_added(requests=requests)
 
-    def request_preempted(self, requests: list[Any], step_id: int) -> None:
+    def request_preempted(self, requests: list[Request], step_id: int) -> None:
         self._h.specloop_request_preempted(requests=requests, step_id=step_id)
 
-    def request_finished(self, requests: list[Any]) -> None:
+    def request_finished(self, requests: list[Request]) -> None:
         self._h.specloop_request_finished(requests=requests)
 
-    def step_scheduled(self, plan: Any) -> None:
+    def step_scheduled(self, plan: SchedulerOutput) -> None:
         self._h.specloop_step_scheduled(plan=plan)
 
-    def step_finished(self, plan: Any, result: Any, outputs: Any, timings: dict[str, float]) -> None:
+    def step_finished(self, plan: SchedulerOutput, result: ModelRunnerOutput, outputs: EngineCoreOutputs,
+                      timings: dict[str, float]) -> None:
         self._h.specloop_step_finished(plan=plan, result=result, outputs=outputs, timings=timings)
 
     def drafts_verified(self, step_id: int, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
@@ -128,14 +131,43 @@ class Hooks:
                                          accepted_per_position=accepted_per_position)
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _builtin_entry_points() -> list[importlib.metadata.EntryPoint]:
+    try:
+        dist = importlib.metadata.distribution(BUILTIN_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"specloop's built-in plugins are entry points of the installed "
+                           f"{BUILTIN_DISTRIBUTION!r} distribution, which is not installed in this "
+                           "environment; install the package (e.g. `pip install -e .`)") from None
+    # By name, whatever order the build backend wrote them in: the registration order decides the
+    # order of hook calls and of each registry's names, so it must not depend on the backend.
+    return sorted((ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def builtin_plugin_names() -> tuple[str, ...]:
+    """The built-in plugins (module names), in the order they are registered."""
+    return tuple(ep.name for ep in _builtin_entry_points())
+
+
+def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
+    return ep.dist is not None and _normalized(ep.dist.name) == BUILTIN_DISTRIBUTION
+
+
 class PluginManager:
     """Loads plugins and exposes one :class:`Registry` per component kind plus :class:`Hooks`.
 
-    :param plugins: extra plugin objects (modules or instances) registered after the built-ins,
+    The built-ins (the ``specloop`` distribution's own entry points) are always loaded first,
+    unless blocked.
+
+    :param plugins: extra plugin objects (modules or instances) registered after the others,
         e.g. by a test.
     :param disable: plugin names to block (built-in module names, entry-point names, or the names
         given in ``plugins``); ``SPECLOOP_DISABLE_PLUGINS`` (comma-separated) adds to it.
-    :param load_entrypoints: also load plugins announced under the ``specloop`` entry-point group.
+    :param load_entrypoints: also load third-party plugins announced under the ``specloop``
+        entry-point group (False: built-ins and ``plugins`` only).
     """
 
     def __init__(self, plugins: Iterable[Any] = (), *, disable: Iterable[str] = (),
@@ -146,13 +178,13 @@ class PluginManager:
         for name in blocked:
             self.pm.set_blocked(name)
         self._sources: dict[str, str] = {}
-        for module_name in DEFAULT_PLUGINS:
-            if not self.pm.is_blocked(module_name):
-                self.pm.register(importlib.import_module(module_name), name=module_name)
-                self._sources[module_name] = "specloop"
+        for ep in _builtin_entry_points():
+            if not self.pm.is_blocked(ep.name):
+                self.pm.register(ep.load(), name=ep.name)
+                self._sources[ep.name] = BUILTIN_DISTRIBUTION
         if load_entrypoints:
             for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                if self.pm.is_blocked(ep.name) or self.pm.get_plugin(ep.name) is not None:
+                if _is_builtin(ep) or self.pm.is_blocked(ep.name) or self.pm.get_plugin(ep.name) is not None:
                     continue
                 self.pm.register(ep.load(), name=ep.name)
                 self._sources[ep.name] = ep.dist.name if ep.dist else ep.value
@@ -164,12 +196,19 @@ class PluginManager:
         # A misspelt hook implementation fails here rather than being silently ignored.
         self.pm.check_pending()
         self.hooks = Hooks(self.pm)
-        self.registries = {kind: self._collect(kind) for kind in COMPONENT_KINDS}
+        self.schedulers: Registry = self._collect("schedulers")
+        self.kv_cache_policies: Registry = self._collect("kv_cache_policies")
+        self.attention_backends: Registry = self._collect("attention_backends")
+        self.model_runners: Registry = self._collect("model_runners")
+        self.models: Registry = self._collect("models")
+        self.proposers: Registry = self._collect("proposers")
+        self.routes: Registry = self._collect("routes")
+        self.registries: dict[str, Registry] = {kind: getattr(self, kind) for kind in COMPONENT_KINDS}
 
     def _collect(self, kind: str) -> Registry:
         registry = Registry(kind)
         caller = getattr(self.pm.hook, f"specloop_register_{kind}")
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        for impl in reversed(caller.get_hookimpls()):  # pluggy's call order: the last registered first
             source = f"{impl.plugin_name} ({self._sources.get(impl.plugin_name, '?')})"
 
             def register(name: str, factory: Any, _source: str = source) -> None:
@@ -177,13 +216,6 @@ class PluginManager:
 
             impl.function(**({'register': register} if 'register' in impl.argnames else {}))
         return registry
-
-    def __getattr__(self, kind: str) -> Registry:
-        # ``pm.schedulers``, ``pm.models``, ...
-        try:
-            return self.__dict__["registries"][kind]
-        except KeyError:
-            raise AttributeError(kind) from None
 
     def unregister(self, plugin: Any) -> None:
         self.pm.unregister(plugin)

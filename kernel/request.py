@@ -1,4 +1,4 @@
-"""The scheduler's view of one request: its state machine and token counters (seed 004 §6)."""
+"""The scheduler's view of one request: its state machine and token counters."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # The engine's EOS ids, resolved once when the engine is built; the scheduler stops on them and
+    # the runner holds them back while min_tokens is not reached.
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value = served first (vLLM's convention)

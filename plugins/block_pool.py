@@ -1,4 +1,4 @@
-"""Physical KV blocks: the pool, its free queue, ref counts and the prefix-cache hash map (seed 004 §9).
+"""Physical KV blocks: the pool, its free queue, ref counts and the prefix-cache hash map.
 
 The pool knows nothing about requests. :mod:`specloop.plugins.kv_cache` maps requests to blocks
 and decides what gets cached; this module only keeps the ledger honest:

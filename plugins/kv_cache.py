@@ -1,5 +1,5 @@
 """The built-in KV-cache policies: paged block tables over a :class:`BlockPool`, with or without a
-prefix cache (seed 004 §9.2-9.3).
+prefix cache.
 
 ``lru`` (the default) shares full prompt blocks between requests through chained block hashes and
 evicts the least recently freed cached block first; ``none`` never caches, so every request

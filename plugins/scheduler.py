@@ -1,4 +1,4 @@
-"""The built-in schedulers: one token-debt scheduler (seed 004 §7) with two queue policies.
+"""The built-in schedulers: one token-debt scheduler with two queue policies.
 
 Every step pays down each request's debt ``num_tokens_with_spec - num_computed_tokens`` within the
 token budget, running requests first, then waiting ones. There are no prefill/decode phases: a
@@ -104,9 +104,6 @@ class FCFSScheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
@@ -215,8 +212,9 @@ class FCFSScheduler:
             n = num_scheduled[request.request_id]
             start = request.num_computed_tokens
             num_prompt_tokens += max(min(start + n, request.num_prompt_tokens) - start, 0)
-            # Optimistic: the runner computes these positions this step; update_from_output rolls
-            # back the drafts it rejects (seed 004 §7.3).
+            # Optimistic: every planned position counts as computed, drafts included, so the plan
+            # alone says what the runner will hold after this step; update_from_output rolls back
+            # the drafts the target rejects.
             request.num_computed_tokens = start + n
             request.spec_token_ids = []
             if request.scheduled_time is None:
@@ -232,7 +230,6 @@ class FCFSScheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=frozenset(self.finished_req_ids),
             preempted_req_ids=frozenset(self.preempted_req_ids),
-            num_lookahead_tokens=self.num_lookahead_tokens,
         )
         self.finished_req_ids.clear()
         self.preempted_req_ids.clear()
@@ -255,7 +252,6 @@ class FCFSScheduler:
     def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         scheduled = self._in_flight.pop(plan.step_id, {})
         stats = SchedulerStats(num_prompt_tokens=self._prompt_tokens.pop(plan.step_id, 0))
-        per_pos = [0] * self.num_lookahead_tokens
         outputs = []
         for i, rid in enumerate(result.req_ids):
             request = scheduled.get(rid)
@@ -265,17 +261,12 @@ class FCFSScheduler:
             num_draft = len(plan.scheduled_spec_decode_tokens.get(rid, ()))
             num_accepted = 0
             if num_draft:
+                # The runner returns the accepted drafts followed by the target's own token.
                 num_accepted = max(len(sampled) - 1, 0)
                 request.num_computed_tokens -= num_draft - num_accepted
                 request.num_draft_tokens += num_draft
                 request.num_accepted_tokens += num_accepted
-                stats.num_drafts += 1
-                stats.num_draft_tokens += num_draft
-                stats.num_accepted_tokens += num_accepted
-                if len(per_pos) < num_accepted:
-                    per_pos.extend([0] * (num_accepted - len(per_pos)))
-                for pos in range(num_accepted):
-                    per_pos[pos] += 1
+                stats.spec_decoding.observe(num_draft, num_accepted)
             self.kv_cache.cache_blocks(request, request.num_computed_tokens)
             kept = self._append_and_check_stop(request, sampled)
             stats.num_generation_tokens += len(kept)
@@ -293,7 +284,6 @@ class FCFSScheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._release(request)
-        stats.num_accepted_tokens_per_pos = per_pos if stats.num_drafts else []
         self._fill_stats(stats)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 

@@ -1,38 +1,48 @@
-"""The built-in HTTP routes, contributed through ``specloop_register_routes`` exactly as a
-third-party plugin would add its own: ``register(name, factory)`` where ``factory(state)`` returns a
-Starlette route and ``state`` is the app's :class:`~specloop.server.app.ServerState`.
+"""The built-in HTTP endpoints and their route factories: ``factory(state)`` returns a Starlette
+route bound to the app's :class:`~specloop.server.state.ServerState`. :mod:`specloop.server.plugin`
+registers them through ``specloop_register_routes``, as a third-party plugin registers its own.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-import specloop
-from specloop.kernel.hookspecs import hookimpl
-
-from . import protocol
-from .app import read_body
-from .errors import BadRequest
+from . import protocol, responses
+from .errors import BadRequest, PayloadTooLarge
 from .metrics import CONTENT_TYPE
 from .serving import (ChatContext, ClientDisconnected, CompletionContext, EventStream, Generation, PromptInput,
                       collect_chat, collect_completion, engine_unavailable, stream_chat, stream_completion,
                       unless_disconnected)
+from .state import ServerState
 
-if TYPE_CHECKING:
-    from .app import ServerState
-
-Handler = Callable[["ServerState", Request], Awaitable[Response]]
+Handler = Callable[[ServerState, Request], Awaitable[Response]]
 
 
 def json_response(data: Any, status_code: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status_code, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (before reading it all when the
+    client announces its length)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"The request body has {length} bytes, more than this server's limit of {limit}.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _json_body(state: ServerState, request: Request) -> dict[str, Any]:
@@ -71,8 +81,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="prompt",
                                        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         inputs.append(PromptInput(ids, text, params))
-    request_id = protocol.new_id("cmpl")
-    ctx = CompletionContext(request_id, protocol.now(), model, req.echo, req.logprobs, req.include_usage)
+    request_id = responses.new_id("cmpl")
+    ctx = CompletionContext(request_id, responses.now(), model, req.echo, req.logprobs, req.include_usage)
     gen = Generation(state, request_id, inputs, arrival=arrival, priority=req.priority)
     if req.stream:
         return EventStream(stream_completion(state, gen, ctx), gen.cancel)
@@ -103,8 +113,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ids = _render_chat(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="messages",
                                    logprobs=req.logprobs)
-    request_id = protocol.new_id("chatcmpl")
-    ctx = ChatContext(request_id, protocol.now(), model, req.logprobs, req.include_usage)
+    request_id = responses.new_id("chatcmpl")
+    ctx = ChatContext(request_id, responses.now(), model, req.logprobs, req.include_usage)
     gen = Generation(state, request_id, [PromptInput(ids, None, params)], arrival=arrival, priority=req.priority)
     if req.stream:
         return EventStream(stream_chat(state, gen, ctx), gen.cancel)
@@ -128,7 +138,7 @@ async def metrics(state: ServerState, request: Request) -> Response:
 
 
 async def version(state: ServerState, request: Request) -> Response:
-    return json_response({"version": specloop.__version__})
+    return json_response({"version": importlib.metadata.version("specloop")})
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
@@ -166,19 +176,12 @@ def _route(path: str, handler: Handler, methods: list[str]) -> Callable[[ServerS
     return factory
 
 
-BUILTIN_ROUTES: dict[str, tuple[str, Handler, list[str]]] = {
-    "completions": ("/v1/completions", create_completion, ["POST"]),
-    "chat_completions": ("/v1/chat/completions", create_chat_completion, ["POST"]),
-    "models": ("/v1/models", list_models, ["GET"]),
-    "health": ("/health", health, ["GET"]),
-    "metrics": ("/metrics", metrics, ["GET"]),
-    "version": ("/version", version, ["GET"]),
-    "tokenize": ("/tokenize", tokenize, ["POST"]),
-    "detokenize": ("/detokenize", detokenize, ["POST"]),
-}
-
-
-@hookimpl
-def specloop_register_routes(register: Callable[..., None]) -> None:
-    for name, (path, handler, methods) in BUILTIN_ROUTES.items():
-        register(name, _route(path, handler, methods))
+# The factories :mod:`specloop.server.plugin` registers, one per endpoint.
+completions_route = _route("/v1/completions", create_completion, ["POST"])
+chat_completions_route = _route("/v1/chat/completions", create_chat_completion, ["POST"])
+models_route = _route("/v1/models", list_models, ["GET"])
+health_route = _route("/health", health, ["GET"])
+metrics_route = _route("/metrics", metrics, ["GET"])
+version_route = _route("/version", version, ["GET"])
+tokenize_route = _route("/tokenize", tokenize, ["POST"])
+detokenize_route = _route("/detokenize", detokenize, ["POST"])

@@ -13,20 +13,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from specloop.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from specloop.frontend.request_output import CompletionOutput, Logprob, RequestOutput
 from specloop.kernel.sampling_params import SamplingParams
 
-from . import protocol
+from . import responses
 from .errors import APIError, ServerError, ServiceUnavailable, from_value_error
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import ServerState
 
 logger = logging.getLogger("specloop.server")
 
@@ -140,7 +138,7 @@ class Generation:
     def usage(self) -> dict[str, int]:
         prompt_tokens = sum(len(p.token_ids) for p in self.inputs)
         completion_tokens = sum(len(c.token_ids) for choices in self.choices for c in choices)
-        return protocol.usage(prompt_tokens, completion_tokens)
+        return responses.usage(prompt_tokens, completion_tokens)
 
     async def cancel(self) -> None:
         """Abort whatever is still running (idempotent)."""
@@ -172,7 +170,7 @@ class CompletionContext:
     include_usage: bool
 
 
-def _echo_logprobs(state: ServerState, gen: Generation, i: int, builder: protocol.CompletionLogprobs) -> dict:
+def _echo_logprobs(state: ServerState, gen: Generation, i: int, builder: responses.CompletionLogprobs) -> dict:
     prompt = gen.inputs[i]
     entries = gen.prompt_logprobs[i] or [None] * len(prompt.token_ids)
     return builder.build(prompt.token_ids, entries)
@@ -197,7 +195,7 @@ async def collect_completion(state: ServerState, gen: Generation, ctx: Completio
             text = "".join(c.text)
             logprobs = None
             if ctx.logprobs is not None:
-                builder = protocol.CompletionLogprobs(state.token_text)
+                builder = responses.CompletionLogprobs(state.token_text)
                 if ctx.echo:
                     logprobs = _echo_logprobs(state, gen, i, builder)
                     part = builder.build(c.token_ids, c.logprobs or [None] * len(c.token_ids))
@@ -208,15 +206,15 @@ async def collect_completion(state: ServerState, gen: Generation, ctx: Completio
                 text = (prompt.text or "") + text
             choices.append({"index": i * prompt.params.n + k, "text": text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return protocol.completion_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
+    return responses.completion_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
 
 
 async def stream_completion(state: ServerState, gen: Generation, ctx: CompletionContext) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return protocol.sse(protocol.completion_chunk(ctx.request_id, ctx.created, ctx.model, choices,
+        return responses.sse(responses.completion_chunk(ctx.request_id, ctx.created, ctx.model, choices,
                                                       with_usage_field=ctx.include_usage))
 
-    builders: dict[tuple[int, int], protocol.CompletionLogprobs] = {}
+    builders: dict[tuple[int, int], responses.CompletionLogprobs] = {}
     echoed: set[int] = set()
     try:
         async for i, out in gen:
@@ -225,7 +223,7 @@ async def stream_completion(state: ServerState, gen: Generation, ctx: Completion
                 # By the first token every prompt logprob has arrived.
                 echoed.add(i)
                 for k in range(n):
-                    builder = builders[(i, k)] = protocol.CompletionLogprobs(state.token_text)
+                    builder = builders[(i, k)] = responses.CompletionLogprobs(state.token_text)
                     logprobs = _echo_logprobs(state, gen, i, builder) if ctx.logprobs is not None else None
                     yield chunk([{"index": i * n + k, "text": gen.inputs[i].text or "", "logprobs": logprobs,
                                   "finish_reason": None, "stop_reason": None}])
@@ -234,16 +232,16 @@ async def stream_completion(state: ServerState, gen: Generation, ctx: Completion
                     continue
                 logprobs = None
                 if ctx.logprobs is not None:
-                    builder = builders.setdefault((i, c.index), protocol.CompletionLogprobs(state.token_text))
+                    builder = builders.setdefault((i, c.index), responses.CompletionLogprobs(state.token_text))
                     logprobs = builder.build(c.token_ids, c.logprobs or [None] * len(c.token_ids))
                 yield chunk([{"index": i * n + c.index, "text": c.text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
         if ctx.include_usage:
-            yield protocol.sse(protocol.completion_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
+            yield responses.sse(responses.completion_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
                                                          with_usage_field=True))
     except (EngineFailure, APIError) as e:
-        yield protocol.sse(_failure(e).to_dict())
-    yield protocol.SSE_DONE
+        yield responses.sse(_failure(e).to_dict())
+    yield responses.SSE_DONE
 
 
 # --- chat completions ------------------------------------------------------------------------
@@ -265,16 +263,16 @@ async def collect_chat(state: ServerState, gen: Generation, ctx: ChatContext) ->
     for k, c in enumerate(gen.choices[0]):
         logprobs = None
         if ctx.logprobs is not None:
-            logprobs = protocol.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids), ctx.logprobs,
+            logprobs = responses.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids), ctx.logprobs,
                                               state.token_text)
         choices.append({"index": k, "message": {"role": "assistant", "content": "".join(c.text)},
                         "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return protocol.chat_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
+    return responses.chat_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
 
 
 async def stream_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> AsyncIterator[bytes]:
     def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return protocol.sse(protocol.chat_chunk(ctx.request_id, ctx.created, ctx.model, choices,
+        return responses.sse(responses.chat_chunk(ctx.request_id, ctx.created, ctx.model, choices,
                                                 with_usage_field=ctx.include_usage))
 
     for k in range(gen.inputs[0].params.n):
@@ -287,17 +285,17 @@ async def stream_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> 
                     continue
                 logprobs = None
                 if ctx.logprobs is not None and c.token_ids:
-                    logprobs = protocol.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),
+                    logprobs = responses.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),
                                                       ctx.logprobs, state.token_text)
                 delta = {"content": c.text} if c.text else {}
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
         if ctx.include_usage:
-            yield protocol.sse(protocol.chat_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
+            yield responses.sse(responses.chat_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
                                                    with_usage_field=True))
     except (EngineFailure, APIError) as e:
-        yield protocol.sse(_failure(e).to_dict())
-    yield protocol.SSE_DONE
+        yield responses.sse(_failure(e).to_dict())
+    yield responses.SSE_DONE
 
 
 # --- responses that notice a client going away -----------------------------------------------

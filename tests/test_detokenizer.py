@@ -159,7 +159,7 @@ def test_special_tokens_skipped_or_kept(tok):
 
 
 def test_stop_string_inside_text_held_until_the_end(tok):
-    from specloop.frontend.output_processor import CompletionState
+    from specloop.frontend.output_processor import CompletionTracker
     from specloop.kernel import EngineCoreOutput, FinishReason, Request
 
     # A token carrying a space plus the first bytes of an emoji: its text stays held (broken UTF-8).
@@ -172,6 +172,6 @@ def test_stop_string_inside_text_held_until_the_end(tok):
     detok.finish()
     assert detok.stop_reason == "o " and detok.text == "Hell"
     # The request ended by length in the core, but the stop string decides what is reported.
-    state = CompletionState(0, Request("r", [5], params), tok)
+    state = CompletionTracker(0, Request("r", [5], params), tok)
     state.process(EngineCoreOutput("r", out, finish_reason=FinishReason.LENGTH))
     assert state.finish_reason == "stop" and state.stop_reason == "o " and state.detokenizer.text == "Hell"

@@ -107,7 +107,7 @@ def test_stop_string_on_real_output(llm, model, tok):
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == full[:full.find(stop)]
     assert out.token_ids == expected[:len(out.token_ids)] and len(out.token_ids) < 24
-    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.core.has_unfinished_requests()
 
 
 def test_seeded_n_is_reproducible_and_batch_independent(llm):

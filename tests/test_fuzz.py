@@ -131,7 +131,7 @@ class Fuzzer:
         for out in outputs.outputs:
             if out.req_id in self.aborted:
                 self.violations.append(f"output for aborted request {out.req_id}")
-        self.drafts_accepted += outputs.scheduler_stats.num_accepted_tokens
+        self.drafts_accepted += outputs.scheduler_stats.spec_decoding.num_accepted_tokens
         drafts = self.runner.take_draft_token_ids()
         if drafts is not None:
             sched.update_draft_token_ids(drafts)

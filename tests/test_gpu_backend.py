@@ -66,7 +66,7 @@ def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
                   block_size=4, num_kv_blocks=160, max_num_seqs=16, max_num_batched_tokens=64)
         outputs[runner] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         stats = llm.get_metrics()
-        llm.engine_core.shutdown()
+        llm.core.shutdown()
         del llm
         torch.cuda.empty_cache()
     for i, (prompt, got, want) in enumerate(zip(batch, outputs["gpu"], outputs["torch"])):

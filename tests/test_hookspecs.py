@@ -1,5 +1,5 @@
 """Meta-tests: every hookspec is documented in its docstring and in docs/hooks.md with its exact
-signature, and one engine run fires every one of them."""
+signature, its typed call site in ``Hooks`` matches it, and one engine run fires every one of them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from specloop.kernel import EngineConfig, EngineCore, PluginManager, Request, RequestStatus, SamplingParams, hookimpl
 from specloop.kernel import hookspecs
+from specloop.kernel.plugins import Hooks
 
 DOCS = Path(__file__).parent.parent / "docs" / "hooks.md"
 SPECS = {name: fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
@@ -46,6 +47,34 @@ def test_docs_list_every_hook_with_its_exact_signature():
                                           f"stale: {set(documented) - set(SPECS)}"
     for name, fn in SPECS.items():
         assert documented[name] == signature_text(name, fn)
+
+
+EVENT_SPECS = {name: fn for name, fn in SPECS.items() if not name.startswith("specloop_register_")}
+WRAPPERS = {name: fn for name, fn in inspect.getmembers(Hooks, inspect.isfunction) if not name.startswith("_")}
+
+
+def parameters(fn, skip_self: bool = False) -> list[tuple[str, str]]:
+    params = list(inspect.signature(fn).parameters.values())[1 if skip_self else 0:]
+    return [(p.name, str(p.annotation)) for p in params]
+
+
+def test_every_event_hook_has_one_typed_call_site_with_its_exact_parameters():
+    for spec_name, spec in EVENT_SPECS.items():
+        wrapper = WRAPPERS.get(spec_name.removeprefix("specloop_"))
+        assert wrapper is not None, f"Hooks has no method for {spec_name}"
+        assert parameters(wrapper, skip_self=True) == parameters(spec), f"Hooks.{wrapper.__name__} != {spec_name}"
+        assert inspect.signature(wrapper).return_annotation == inspect.signature(spec).return_annotation
+
+
+def test_every_call_site_calls_its_own_hookspec_with_every_argument_by_keyword():
+    assert len(WRAPPERS) == len(EVENT_SPECS)
+    for name, wrapper in WRAPPERS.items():
+        source = inspect.getsource(wrapper)
+        called = re.findall(r"self\._h\.(\w+)\(", source)
+        assert called == [f"specloop_{name}"] and called[0] in EVENT_SPECS, f"Hooks.{name} calls {called}"
+        call = source[source.index(called[0]):]
+        for param, _ in parameters(wrapper, skip_self=True):
+            assert re.search(rf"\b{param}={param}\b", call), f"Hooks.{name} does not pass {param}={param}"
 
 
 class Recorder:
@@ -168,6 +197,7 @@ def test_every_hook_fires_with_sensible_arguments():
     for call in verified:
         stats = by_step[call["step_id"]]
         assert (call["num_drafts"], call["num_draft_tokens"], call["num_accepted_tokens"]) == \
-               (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+               (stats.spec_decoding.num_drafts, stats.spec_decoding.num_draft_tokens,
+                stats.spec_decoding.num_accepted_tokens)
         assert sum(call["per_pos"]) == call["num_accepted_tokens"] and len(call["per_pos"]) == 2
         assert call["per_pos"][0] >= call["per_pos"][1]

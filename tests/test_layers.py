@@ -56,7 +56,9 @@ def imported_modules(module: str, path: Path) -> set[str]:
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module or ""
-            names = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
+            # ``from package import module`` depends on the module (the package's __init__ runs
+            # too, but counting it would make every sibling import a cycle through the package).
+            names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in FILES else prefix for a in node.names]
         for name in names:
             while name and name not in FILES:
                 name = name.rpartition(".")[0]

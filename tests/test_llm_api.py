@@ -3,7 +3,7 @@ from tokenizer_helpers import build_tokenizer
 
 from specloop import LLM, CompletionOutput, RequestOutput, SamplingParams
 from specloop.backends.scripted import scripted_continuation
-from specloop.frontend.output_processor import RequestState
+from specloop.frontend.output_processor import RequestTracker
 from specloop.kernel import EngineCoreOutput, FinishReason, Request, TokenLogprobs
 
 VOCAB = 400
@@ -88,7 +88,7 @@ def test_bad_input_raises_before_anything_is_enqueued(llm):
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(["a"], SamplingParams(temperature=-1.0), use_tqdm=False)
     assert llm.get_metrics()["num_requests_added"] == before
-    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.core.has_unfinished_requests()
     # The engine still serves.
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
@@ -119,7 +119,7 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     tok = Tokenizer(build_tokenizer(str(tmp_path), vocab_size=VOCAB))
     params = SamplingParams(logprobs=2, prompt_logprobs=1, max_tokens=3)
     req = Request("r", [10, 11, 12], params)
-    state = RequestState("r", None, [req], tok)
+    state = RequestTracker("r", None, [req], tok)
     lp = [TokenLogprobs(20, -0.5, 1, [20, 21], [-0.5, -1.5]), TokenLogprobs(30, -2.0, 3, [31, 32], [-0.1, -1.0])]
     prompt_lp = [None, TokenLogprobs(11, -3.0, 7, [40], [-0.2]), TokenLogprobs(12, -1.0, 1, [12], [-1.0])]
     state.process([EngineCoreOutput("r", [20], new_logprobs=lp[:1], new_prompt_logprobs=prompt_lp)])
@@ -137,3 +137,42 @@ def test_logprobs_and_prompt_logprobs_processing(tmp_path):
     assert len(final.prompt_logprobs) == 3 and final.finished
     second = state.delta_output()
     assert second.prompt_logprobs is None and second.outputs[0].logprobs[0][30].logprob == -2.0
+
+
+def test_eos_ids_are_resolved_once_from_tokenizer_and_model_directory(tmp_path, tok_dir):
+    """The engine's EOS ids come from the tokenizer and the model directory's generation config,
+    never from the model runner, and every request the frontend builds carries them."""
+    import json
+
+    from specloop.backends.scripted import ScriptedModelRunner
+    from specloop.kernel import PluginManager, hookimpl
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+
+    class RunnerWithEos(ScriptedModelRunner):
+        eos_token_ids = (99,)
+
+    class Plugin:
+        @hookimpl
+        def specloop_register_model_runners(self, register):
+            register("runner_with_eos", RunnerWithEos)
+
+    options = dict(model_runner="runner_with_eos", max_model_len=64,
+                   plugin_options={"scripted": {"vocab_size": VOCAB}})
+    llm = LLM(str(model_dir), tokenizer=tok_dir, plugins=PluginManager([Plugin()], load_entrypoints=False),
+              **options)
+    tok = llm.get_tokenizer()
+    assert llm.processor.eos_token_ids == (tok.eos_token_id, 5, 7)
+    (request,) = llm.processor.make_requests("r", [1, 2, 3], SamplingParams(max_tokens=4))
+    assert request.eos_token_ids == (tok.eos_token_id, 5, 7)
+    # Without a tokenizer only the model directory's ids remain; config.json's only without them.
+    bare = LLM(str(model_dir), skip_tokenizer_init=True,
+               plugins=PluginManager([Plugin()], load_entrypoints=False), **options)
+    assert bare.processor.eos_token_ids == (5, 7)
+    (model_dir / "generation_config.json").unlink()
+    bare = LLM(str(model_dir), skip_tokenizer_init=True,
+               plugins=PluginManager([Plugin()], load_entrypoints=False), **options)
+    assert bare.processor.eos_token_ids == (9,)

@@ -4,6 +4,7 @@ components replaced from outside the package."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from specloop.kernel import (EngineConfig, EngineCore, PluginManager, Registry, Request, SamplingParams,
                              UnknownComponentError, hookimpl)
-from specloop.kernel.plugins import DEFAULT_PLUGINS, DISABLE_ENV
+from specloop.kernel.plugins import DISABLE_ENV, builtin_plugin_names
 from specloop.kernel.protocols import KVCacheManager, Scheduler
 from specloop.plugins.kv_cache import PagedKVCache
 from specloop.plugins.scheduler import FCFSScheduler, PriorityScheduler
@@ -55,12 +56,39 @@ def run(config: EngineConfig, pm: PluginManager | None = None) -> tuple[EngineCo
 def test_builtins_are_registered_like_any_plugin():
     pm = PluginManager(load_entrypoints=False)
     for name in ("specloop.plugins.scheduler", "specloop.plugins.kv_cache", "specloop.backends.scripted"):
-        assert name in DEFAULT_PLUGINS and pm.pm.get_plugin(name) is sys.modules[name]
+        assert name in builtin_plugin_names() and pm.pm.get_plugin(name) is sys.modules[name]
     assert {"fcfs", "priority"} <= set(pm.schedulers.names())
     assert {"lru", "none"} <= set(pm.kv_cache_policies.names())
     assert pm.schedulers.get("fcfs") is FCFSScheduler and pm.schedulers.get("priority") is PriorityScheduler
     (entry,) = [e for e in pm.schedulers.entries() if e.name == "fcfs"]
     assert entry.source == "specloop.plugins.scheduler (specloop)"
+
+
+def test_builtins_come_from_the_distributions_own_entry_points():
+    names = builtin_plugin_names()
+    assert list(names) == sorted(names)
+    assert {"specloop.backends.scripted", "specloop.plugins.tracing", "specloop.server.plugin"} <= set(names)
+    # Only the built-ins are loaded without third-party entry points, each under its module name.
+    pm = PluginManager(load_entrypoints=False)
+    assert [name for name, _ in pm.pm.list_name_plugin()] == list(names)
+    assert {"completions", "health", "metrics"} <= set(pm.routes.names())
+
+
+def test_building_a_plugin_manager_imports_neither_torch_nor_starlette():
+    code = ("import sys; from specloop.kernel import PluginManager; pm = PluginManager(); "
+            "assert pm.model_runners.names() and pm.routes.names(); "
+            "print(sorted(m for m in ('torch', 'starlette') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_registries_are_typed_attributes():
+    pm = PluginManager(load_entrypoints=False)
+    for kind, registry in pm.registries.items():
+        assert isinstance(registry, Registry) and registry.kind == kind and vars(pm)[kind] is registry
+    with pytest.raises(AttributeError):
+        pm.no_such_kind  # noqa: B018
 
 
 def test_built_components_satisfy_the_protocols():
@@ -140,7 +168,7 @@ def test_outside_plugin_replaces_scheduler_and_kv_policy_through_config(outside)
         assert core.kv_cache.usage == 0.0
     # serial really ran one request at a time
     core, _ = run(EngineConfig(**base, scheduler="serial"), pm)
-    assert core.step_id >= 4 * 6
+    assert core.scheduler.step_id >= 4 * 6
 
 
 def test_entry_point_plugin_is_discovered_and_can_be_disabled(installed, monkeypatch):

@@ -41,7 +41,7 @@ from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.server.app import build_app
-from specloop.server.cli import limits_from_args
+from specloop.server.launcher import limits_from_args
 
 
 @functools.cache
@@ -145,13 +145,13 @@ def assert_idle_and_clean(engine: AsyncEngine) -> None:
     assert not core.kv_cache.req_to_blocks
     assert all(b.ref_cnt == 0 for b in core.kv_cache.pool.blocks)
     assert ledger_violations(core) == []
-    assert not engine.engine_core._queues and not engine._states and not core.requests
+    assert not engine.async_core._queues and not engine._states and not core.requests
 
 
 async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while engine.core.has_unfinished_requests() or not engine.engine_core._input.empty():
+    while engine.core.has_unfinished_requests() or not engine.async_core._input.empty():
         assert loop.time() < deadline, "the engine did not go idle"
         await asyncio.sleep(0.01)
 
@@ -366,7 +366,7 @@ def test_seeds_beyond_int64_with_speculative_decoding() -> None:
                          use_tqdm=False)[0] for seed in (2**64 - 1, -1)]
     assert [len(c.token_ids) for c in outs[0].outputs] == [12, 12]
     assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
-    assert llm.engine_core.kv_cache.num_free_blocks == llm.engine_core.kv_cache.num_blocks - 1
+    assert llm.core.kv_cache.num_free_blocks == llm.core.kv_cache.num_blocks - 1
 
 
 @pytest.mark.parametrize("params", [
@@ -714,7 +714,7 @@ async def test_http_fuzz_is_4xx_or_2xx_and_harms_no_one(server: ServerThread) ->
         # Nothing left behind: no request, no block, and /metrics agrees.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while engine.core.has_unfinished_requests() or not engine.engine_core._input.empty():
+        while engine.core.has_unfinished_requests() or not engine.async_core._input.empty():
             assert loop.time() < deadline, "the engine did not go idle"
             await asyncio.sleep(0.02)
         assert_idle_and_clean(engine)

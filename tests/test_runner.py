@@ -115,9 +115,12 @@ def test_draft_verification(name: str) -> None:
     checked_step(plans, model, {"a": len(prompt)})
     out = checked_step(plans, model, {"a": 4}, spec={"a": truth[1:4]})
     assert out.sampled_token_ids == [truth[1:5]]
+    # The scheduler counts accepted drafts as the sampled tokens before the target's own one.
+    assert len(out.sampled_token_ids[0]) - 1 == 3
     wrong = [truth[5], (truth[6] + 1) % 512, truth[7]]
     out = checked_step(plans, model, {"a": 4}, spec={"a": wrong})
     assert out.sampled_token_ids == [truth[5:7]]
+    assert len(out.sampled_token_ids[0]) - 1 == 1
     checked_step(plans, model, {"a": 1})  # rejected drafts' KV is overwritten
     assert plans.reqs["a"].tokens[len(prompt):] == truth[:8]
 

@@ -77,7 +77,7 @@ def test_partial_prefill_then_exactly_the_remainder_even_with_drafts_pending():
     sched.update_draft_token_ids(DraftTokenIds(["r"], [[5, 6, 8]]))
     plan, _ = step(sched, sampled={"r": [5, 9]})  # first draft accepted, the second rejected
     assert plan.num_scheduled_tokens == {"r": 4} and plan.scheduled_spec_decode_tokens == {"r": [5, 6, 8]}
-    assert plan.num_lookahead_tokens == 3
+    assert sched.num_lookahead_tokens == 3
     assert r.output_token_ids == [7, 5, 9] and r.num_computed_tokens == r.num_tokens - 1 == 82
 
 
@@ -93,8 +93,9 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped():
     assert {o.req_id: o.new_token_ids for o in outputs.outputs} == {"a": [1, 2, 3, 7], "b": [4, 7]}
     assert sched.requests["b"].spec_token_ids == []  # cleared once scheduled
     stats = outputs.scheduler_stats
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 4, 4)
-    assert stats.num_accepted_tokens_per_pos == [2, 1, 1]
+    assert (stats.spec_decoding.num_drafts, stats.spec_decoding.num_draft_tokens,
+            stats.spec_decoding.num_accepted_tokens) == (2, 4, 4)
+    assert stats.spec_decoding.accepted_per_position == [2, 1, 1]
 
 
 def test_rejected_drafts_roll_back_num_computed_tokens():
@@ -107,7 +108,7 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     out = outputs.outputs[0]
     assert (out.num_draft_tokens, out.num_accepted_tokens, out.new_token_ids) == (4, 2, [1, 2, 9])
     assert r.num_computed_tokens == 5 + 1 + 2 and r.num_tokens == 9
-    assert outputs.scheduler_stats.num_accepted_tokens_per_pos == [1, 1, 0, 0]
+    assert outputs.scheduler_stats.spec_decoding.accepted_per_position == [1, 1, 0, 0]
     assert (r.num_draft_tokens, r.num_accepted_tokens) == (4, 2)
 
 
@@ -269,7 +270,7 @@ def test_stop_inside_accepted_drafts_truncates_exactly_there():
     assert [x.token_id for x in out.new_logprobs] == [4, 2]
     assert r.output_token_ids == [7, 4, 2]
     assert outputs.scheduler_stats.num_generation_tokens == 2  # the tokens after the stop don't count
-    assert outputs.scheduler_stats.num_accepted_tokens == 4  # the proposer still earned them
+    assert outputs.scheduler_stats.spec_decoding.num_accepted_tokens == 4  # the proposer still earned them
 
 
 def test_max_tokens_inside_accepted_drafts_truncates_and_wins_over_a_later_stop():

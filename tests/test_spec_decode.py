@@ -22,10 +22,11 @@ from specloop import LLM, AsyncEngine, SamplingParams
 from specloop.cli import build_parser, engine_kwargs
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.hookspecs import hookimpl
+from specloop.kernel.outputs import SpecDecodingStats
 from specloop.kernel.plugins import PluginManager
 from specloop.proposers.base import DraftProposal, ProposerInputs
 from specloop.proposers.draft_model import DraftModelProposer
-from specloop.plugins.spec_metrics import SpecDecodeStats, get_spec_metrics
+from specloop.plugins.spec_metrics import get_spec_metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 # Chunked prefill (budget 16 tokens a step), prefix caching, and a KV pool small enough that the
@@ -151,7 +152,7 @@ def test_draft_model_equal_to_target_accepts_everything(target, temperature: flo
     m = llm.get_metrics()
     assert m["spec_acceptance_rate"] >= 0.98
     assert m["spec_mean_acceptance_length"] >= 0.98 * (k + 1)
-    stats = get_spec_metrics(llm.engine_core)
+    stats = get_spec_metrics(llm.core)
     assert stats is not None and stats.total.num_draft_tokens == m["spec_num_draft_tokens"]
     assert stats.total.per_position_acceptance[0] >= 0.98
 
@@ -291,11 +292,11 @@ def test_metrics_plugin_logs_acceptance(target, caplog: pytest.LogCaptureFixture
     lines = [r.getMessage() for r in caplog.records if r.name == "specloop.spec_decode"]
     assert lines and all(line.startswith("Speculative decoding: mean acceptance length 3.00, "
                                          "acceptance rate 100.0%") for line in lines)
-    stats = SpecDecodeStats()
+    stats = SpecDecodingStats()
     stats.add(4, 12, 9, [4, 3, 2])
     assert stats.mean_acceptance_length == pytest.approx(1 + 9 / 4)
     assert stats.per_position_acceptance == [1.0, 0.75, 0.5]
     assert "acceptance rate 75.0% (9/12 draft tokens, 4 drafts)" in stats.format()
     # No plugin instance for an engine without speculation.
     _, plain = run(target.path, prompt_set()[:1], GREEDY)
-    assert get_spec_metrics(plain.engine_core) is None
+    assert get_spec_metrics(plain.core) is None

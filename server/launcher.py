@@ -20,7 +20,10 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
-from .app import ServerLimits, ServerState, build_app
+from specloop.frontend.async_engine import AsyncEngine
+
+from .app import build_app
+from .state import ServerLimits, ServerState
 
 API_KEY_ENV = "SPECLOOP_API_KEY"
 
@@ -85,14 +88,13 @@ def served_names(args: argparse.Namespace, engine: Any) -> list[str]:
     return names
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from specloop.cli import engine_kwargs
-    from specloop.frontend.async_engine import AsyncEngine
-
+def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    """Serve until a signal. ``args`` holds the server flags, ``engine_args`` the engine's
+    :class:`~specloop.kernel.config.EngineConfig` keyword arguments."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.from_engine_args(args.model_path, **engine_kwargs(args))
+        engine = AsyncEngine.from_engine_args(args.model_path, **engine_args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"specloop serve: error: {e}", file=sys.stderr)
         return 2

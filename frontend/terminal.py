@@ -14,17 +14,17 @@ from typing import Any, Callable, Coroutine, TextIO
 
 from specloop.kernel.sampling_params import SamplingParams
 
+from .async_engine import AsyncEngine
 
-def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from specloop.cli import engine_kwargs
 
-    from .async_engine import AsyncEngine
-
+def run_generate(args: argparse.Namespace, engine_args: dict[str, Any], out: TextIO | None = None) -> int:
+    """Generate for ``args.prompts`` (the ``generate`` flags on ``args``; ``engine_args`` are the
+    engine's :class:`~specloop.kernel.config.EngineConfig` keyword arguments). Returns the exit status."""
     out = out or sys.stdout
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)
-        engine = AsyncEngine.from_engine_args(args.model_path, **engine_kwargs(args))
+        engine = AsyncEngine.from_engine_args(args.model_path, **engine_args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specloop generate: error: {e}", file=sys.stderr)
         return 2
@@ -47,10 +47,8 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
         return runner.run(main)
 
 
-async def _generate_all(engine: Any, prompts: list[str], params: SamplingParams, chat: bool, out: TextIO) -> int:
-    from .async_engine import AsyncEngine
-
-    assert isinstance(engine, AsyncEngine)
+async def _generate_all(engine: AsyncEngine, prompts: list[str], params: SamplingParams, chat: bool,
+                        out: TextIO) -> int:
     inputs: list[Any] = []
     for prompt in prompts:
         if chat:

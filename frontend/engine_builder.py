@@ -1,0 +1,93 @@
+"""Building an engine for the frontends: config, model path, tokenizer, the engine's EOS ids, core
+and input processor. Everything resolved here is resolved once, for the engine's lifetime."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.engine_core import EngineCore
+from specloop.kernel.plugins import PluginManager
+
+from .input_processor import InputProcessor
+from .model_path import resolve_model
+from .tokenizer import Tokenizer, read_generation_eos_ids
+
+
+def make_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:
+    """``EngineConfig`` from vLLM-style keyword arguments, with a clear error for unknown ones."""
+    known = set(EngineConfig.field_names())
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; known: {', '.join(sorted(known))}")
+    if "model" in engine_args:
+        raise TypeError("pass the model once, as the first argument")
+    return EngineConfig(model=model, **engine_args)
+
+
+def _runner_requires_model(config: EngineConfig, plugins: PluginManager) -> bool:
+    name = config.model_runner
+    if name and name in plugins.model_runners:
+        return bool(getattr(plugins.model_runners.get(name), "requires_model", True))
+    return True
+
+
+def resolve_eos_token_ids(tokenizer: Tokenizer | None, model_dir: str | None) -> tuple[int, ...]:
+    """The engine's EOS ids: the tokenizer's (its ``eos_token`` first), then the model directory's
+    ``generation_config.json`` ids (``config.json``'s when it has none), without duplicates.
+
+    Every request carries them (``Request.eos_token_ids``): the scheduler stops on them and the
+    runner masks them while ``min_tokens`` is not reached.
+    """
+    ids = list(tokenizer.eos_token_ids) if tokenizer is not None else []
+    for tid in read_generation_eos_ids(model_dir):
+        if tid not in ids:
+            ids.append(tid)
+    return tuple(ids)
+
+
+@dataclass(slots=True)
+class BuiltEngine:
+    """What both frontends need. Set by :func:`build_engine`."""
+
+    config: EngineConfig  # resolved (max_model_len and the KV cache size filled in)
+    core: EngineCore
+    tokenizer: Tokenizer | None  # None when the engine runs without one
+    processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
+    model_name: str
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.runner.vocab_size
+
+
+def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> BuiltEngine:
+    """Resolve the model and tokenizer directories, load the tokenizer, resolve the EOS ids, then
+    build the core (which loads the model) and the input processor."""
+    plugins = plugins or PluginManager(disable=config.disable_plugins)
+    if config.model is not None or _runner_requires_model(config, plugins):
+        config.model = resolve_model(config.model)
+    tokenizer: Tokenizer | None = None
+    tokenizer_dir = config.tokenizer or config.model
+    if not config.skip_tokenizer_init and tokenizer_dir is not None:
+        tokenizer = Tokenizer(resolve_tokenizer(tokenizer_dir))
+    eos_token_ids = resolve_eos_token_ids(tokenizer, config.model)
+    core = EngineCore(config, plugins)
+    processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids)
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config))
+
+
+def resolve_tokenizer(path: str) -> str:
+    expanded = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(expanded):
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+    return expanded
+
+
+def model_name(config: EngineConfig) -> str:
+    """The model directory's basename (what the API reports), or the runner's name without a model."""
+    if config.model:
+        return os.path.basename(os.path.normpath(config.model))
+    return config.model_runner or "specloop"

@@ -1,0 +1,141 @@
+"""What every route shares: the engine, the served model names, the limits against abuse, the
+metrics, and the generations in flight. Built once per app by :func:`specloop.server.app.build_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specloop.frontend.request_output import Logprob
+from specloop.kernel.sampling_params import SamplingParams
+
+from .errors import BadRequest, NotFound, from_value_error
+from .metrics import ServerMetrics
+
+
+class InFlight(Protocol):
+    """A generation the server can cancel (on shutdown); :class:`specloop.server.serving.Generation`."""
+
+    async def cancel(self) -> None: ...
+
+
+@dataclass(slots=True)
+class ServerLimits:
+    """Limits against abuse. Set by whoever builds the app (``specloop serve`` flags)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_n: int = 16
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    # Every stop string is looked for after every token, on the event loop all requests share.
+    max_stop_strings: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_stop_strings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
+
+
+class ServerState:
+    """What every route needs: the engine, the served names, limits and metrics. Built once by
+    :func:`~specloop.server.app.build_app`; ``inflight`` and ``draining`` change as requests come and go."""
+
+    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.limits = limits
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.config.max_model_len
+        self.vocab_size: int = engine.vocab_size
+        self.metrics = ServerMetrics(engine, served_model_names[0])
+        self.created = int(time.time())
+        self.inflight: set[InFlight] = set()
+        self.draining = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def resolve_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_name
+        if model not in self.served_model_names:
+            raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model
+
+    def check_n(self, n: int) -> None:
+        if n > self.limits.max_n:
+            raise BadRequest(f"'n' must be at most {self.limits.max_n} on this server, got {n}.", param="n")
+
+    def check_stop(self, stop: list[str]) -> None:
+        if len(set(stop)) > self.limits.max_stop_strings:
+            raise BadRequest(f"'stop' may hold at most {self.limits.max_stop_strings} different strings on this "
+                             f"server, got {len(set(stop))}.", param="stop")
+
+    def require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise BadRequest(f"{what} needs a tokenizer and this server runs without one; send token ids.")
+        return self.tokenizer
+
+    def encode_prompt(self, prompt: str | list[int], *, echo: bool = False) -> tuple[list[int], str | None]:
+        """Token ids (checked against the vocabulary) and, when echoing, the prompt's text."""
+        if isinstance(prompt, str):
+            ids = self.require_tokenizer("A text prompt").encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise BadRequest("'prompt' must not be empty.", param="prompt")
+            return ids, prompt
+        self.check_token_ids(prompt, "prompt")
+        text = self.tokenizer.decode(prompt) if echo and self.tokenizer is not None else None
+        return list(prompt), text
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BadRequest(f"Token id {bad[0]} in '{param}' is outside the vocabulary [0, {self.vocab_size}).",
+                             param=param)
+
+    def sampling_params(self, sampling: dict[str, Any], max_tokens: int | None, prompt_ids: list[int], *,
+                        prompt_param: str, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's parameters for one prompt, checked against the context window and the
+        vocabulary; ``max_tokens`` defaults to what fits after the prompt."""
+        n, limit = len(prompt_ids), self.max_model_len
+        if n >= limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your request has "
+                             f"{n} input tokens, which leaves no room for output. Please reduce the length of "
+                             "the input.", param=prompt_param, code="context_length_exceeded")
+        cap = self.limits.max_prompt_tokens
+        if cap is not None and n > cap:
+            raise BadRequest(f"The input has {n} tokens, more than this server's limit of {cap}.",
+                             param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). "
+                             "Please reduce the length of the input or completion.",
+                             param="max_tokens", code="context_length_exceeded")
+        try:
+            params = SamplingParams(**sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                    max_tokens=max_tokens if max_tokens is not None
+                                    else self.engine.default_max_tokens(n))
+            params.verify_vocab(self.vocab_size)
+            self.engine.validate(prompt_ids, params)
+        except ValueError as e:
+            raise from_value_error(e) from None
+        return params
+
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    async def abort_all(self) -> None:
+        """Stop accepting generation requests and cancel every one in flight (shutdown)."""
+        self.draining = True
+        await asyncio.gather(*(g.cancel() for g in list(self.inflight)), return_exceptions=True)
