@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt in tokens (default: max_model_len - 1)")
     serve.add_argument("--max-stop-strings", type=int, default=None,
                        help="most different stop strings per request (default 64)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine core (scheduler, model, busy loop) in its own process, apart from "
+                            "HTTP, tokenization and detokenization (default: on)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and stream it to the terminal")

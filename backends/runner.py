@@ -79,6 +79,10 @@ class Platform(Protocol):
     """Supplies a runner's parts. Called by :class:`ModelRunner` in this order."""
 
     default_attention_backend: str
+    # How a step overlaps the host's next plan with asynchronous scheduling: "thread" (the step runs
+    # on a worker thread) or "device" (launched work runs on while its sampled tokens, still on the
+    # device, feed the next step's inputs).
+    overlap: str
 
     def ops(self, config: EngineConfig) -> Ops: ...
 
@@ -91,6 +95,7 @@ class Platform(Protocol):
 
 class TorchPlatform:
     default_attention_backend = "torch"
+    overlap = "thread"
 
     def ops(self, config: EngineConfig) -> Ops:
         return TORCH_OPS
@@ -208,10 +213,19 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.proposer.initialize(num_blocks)
         self.platform.kv_allocated(self)
-        self.async_scheduling = bool(getattr(c, "async_scheduling", False))
-        if self.async_scheduling and self.device.type != "cuda":
+        self.async_scheduling = self._resolve_async_scheduling()
+        if self.async_scheduling and self.platform.overlap == "thread":
             self._worker = ThreadPoolExecutor(1, "specloop-runner")
         return num_blocks
+
+    def _resolve_async_scheduling(self) -> bool:
+        wanted, spec = self.config.async_scheduling, self.config.speculative_config
+        if spec is not None:
+            if wanted:
+                raise ValueError("async_scheduling is not supported with speculative_config yet: the next "
+                                 "step's drafts depend on this step's tokens; pass async_scheduling=False")
+            return False
+        return self.device.type == "cuda" if wanted is None else bool(wanted)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block costs across the target's layers and the proposer's, if it keeps a cache."""

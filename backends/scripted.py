@@ -47,6 +47,7 @@ class ScriptedModelRunner:
 
     # Read by the frontend: no model directory (and so no default model) is needed.
     requires_model = False
+    async_scheduling = False  # every plan is committed before the next is scheduled
 
     def __init__(self, config: EngineConfig, plugins: Any = None) -> None:
         opts = dict(config.plugin_options.get("scripted", {}))

@@ -19,6 +19,7 @@ from specloop.kernel.sampling_params import SamplingParams
 
 from .input_processor import PromptType
 from .engine_builder import build_engine, make_config
+from .engine_process import EngineProcessClient
 from .output_processor import EngineStats, RequestTracker
 from .request_output import RequestOutput
 from .tokenizer import Tokenizer
@@ -30,17 +31,27 @@ class AsyncEngine:
     :param config: the engine config; resolved in place (``max_model_len`` etc.) once the model loads.
     :param plugins: the plugin manager (default: built-ins plus entry points, minus disabled ones).
     :param step_in_thread: run each engine step on a worker thread so the event loop stays responsive.
+    :param engine_process: run the engine core (scheduler, runner, busy loop) in its own process
+        (plugins then come from the entry points there; ``plugins`` only supplies the routes).
     """
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None, *,
-                 step_in_thread: bool = True) -> None:
-        built = build_engine(config, plugins)
+                 step_in_thread: bool = True, engine_process: bool = False) -> None:
+        client: EngineProcessClient | None = None
+
+        def start_core(cfg: EngineConfig) -> tuple[EngineConfig, int]:
+            nonlocal client
+            client = EngineProcessClient(cfg)
+            return client.config, client.vocab_size
+
+        built = build_engine(config, plugins, start_core if engine_process else None)
         self.config: EngineConfig = built.config
         self.tokenizer: Tokenizer | None = built.tokenizer
         self.model_name: str = built.model_name
         self.vocab_size: int = built.vocab_size
         self.processor = built.processor
-        self.async_core = AsyncEngineCore(built.core, step_in_thread=step_in_thread)
+        self.async_core: AsyncEngineCore | EngineProcessClient = (
+            client if client is not None else AsyncEngineCore(built.core, step_in_thread=step_in_thread))
         self.stats = EngineStats()
         self.async_core.on_outputs.append(self._record_step)
         # Live requests by the caller's id, and the output queue their completions share.
@@ -50,14 +61,17 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, *, step_in_thread: bool = True,
-                         plugins: PluginManager | None = None, **engine_args: Any) -> AsyncEngine:
+                         plugins: PluginManager | None = None, engine_process: bool = False,
+                         **engine_args: Any) -> AsyncEngine:
         """``model`` is a local HF directory; None means the embedded default model."""
-        return cls(make_config(model, engine_args), plugins, step_in_thread=step_in_thread)
+        return cls(make_config(model, engine_args), plugins, step_in_thread=step_in_thread,
+                   engine_process=engine_process)
 
     @property
-    def core(self) -> EngineCore:
-        """The synchronous core (its plugins, scheduler and runner), for the server and tests."""
-        return self.async_core.core
+    def core(self) -> EngineCore | None:
+        """The synchronous core (its plugins, scheduler and runner), for the server and tests;
+        None when it runs in its own process."""
+        return getattr(self.async_core, "core", None)
 
     @property
     def is_running(self) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.engine_core import EngineCore
@@ -53,19 +53,18 @@ class BuiltEngine:
     """What both frontends need. Set by :func:`build_engine`."""
 
     config: EngineConfig  # resolved (max_model_len and the KV cache size filled in)
-    core: EngineCore
+    core: EngineCore | None  # None when the core runs in its own process
     tokenizer: Tokenizer | None  # None when the engine runs without one
     processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
     model_name: str
-
-    @property
-    def vocab_size(self) -> int:
-        return self.core.runner.vocab_size
+    vocab_size: int
 
 
-def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> BuiltEngine:
+def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
+                 start_core: Callable[[EngineConfig], tuple[EngineConfig, int]] | None = None) -> BuiltEngine:
     """Resolve the model and tokenizer directories, load the tokenizer, resolve the EOS ids, then
-    build the core (which loads the model) and the input processor."""
+    build the core (which loads the model) and the input processor. ``start_core(config)``, when
+    given, starts the core elsewhere instead and returns the resolved config and vocabulary size."""
     plugins = plugins or PluginManager(disable=config.disable_plugins)
     if config.model is not None or _runner_requires_model(config, plugins):
         config.model = resolve_model(config.model)
@@ -74,9 +73,14 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
     if not config.skip_tokenizer_init and tokenizer_dir is not None:
         tokenizer = Tokenizer(resolve_tokenizer(tokenizer_dir))
     eos_token_ids = resolve_eos_token_ids(tokenizer, config.model)
-    core = EngineCore(config, plugins)
-    processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids)
-    return BuiltEngine(config, core, tokenizer, processor, model_name(config))
+    core: EngineCore | None = None
+    if start_core is None:
+        core = EngineCore(config, plugins)
+        vocab_size = core.runner.vocab_size
+    else:
+        config, vocab_size = start_core(config)
+    processor = InputProcessor(config, tokenizer, vocab_size, eos_token_ids)
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config), vocab_size)
 
 
 def resolve_tokenizer(path: str) -> str:

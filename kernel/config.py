@@ -80,7 +80,9 @@ class EngineConfig:
     scheduler: str = "fcfs"
     kv_cache_policy: str = "lru"
     attention_backend: str | None = None  # None: the runner's default for the device
-    model_runner: str | None = None  # None: "gpu" on CUDA when registered, else "torch"
+    model_runner: str | None = None  # None: "auto", whichever runner the device calls for
+    # Plan step n+1 while step n runs; None: the runner's default (on for CUDA without drafts). Resolved.
+    async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     enforce_eager: bool = False

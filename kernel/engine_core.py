@@ -6,11 +6,18 @@
       _process_input_queue    drain adds/aborts into the scheduler (await only when idle)
       _process_engine_step    schedule -> execute_model -> sample_tokens -> update_from_output
       post_step               take_draft_token_ids -> update_draft_token_ids
+
+With asynchronous scheduling a step launches plan n+1 before it commits plan n: the scheduler
+counts the tokens plan n will sample as placeholders and schedules their successors, the runner
+feeds those successors from the device, and the host commits (stop checks, outputs) one step late,
+while the device already computes the next step. A request that stops at step n costs at most one
+wasted token of step n+1, whose output the scheduler drops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import time
@@ -19,7 +26,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from .plugins import PluginManager
-from .protocols import ModelRunner, Scheduler
+from .protocols import ModelRunner, PendingOutput, Scheduler
 from .request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("specloop")
@@ -50,6 +57,10 @@ class EngineCore:
         config.resolve(runner.model_max_len)
         num_blocks = runner.initialize()
         config.num_kv_blocks = num_blocks
+        config.async_scheduling = bool(getattr(runner, "async_scheduling", False))
+        # Launched plans not yet committed, oldest first (at most two with asynchronous scheduling).
+        self.in_flight: collections.deque[tuple[SchedulerOutput, ModelRunnerOutput | PendingOutput]] = \
+            collections.deque()
         self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
                                                              num_blocks=num_blocks)
         self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
@@ -77,26 +88,32 @@ class EngineCore:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        """Schedule and launch one plan, and commit the oldest launched one: the same plan when
+        synchronous, the previous one (if any) with asynchronous scheduling."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
         if preempted:
             self.hooks.request_preempted(preempted, plan.step_id)
-        if plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        self.hooks.step_scheduled(plan)
+        launch = not (plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids)
         t1 = time.perf_counter()
-        self.runner.execute_model(plan)
-        result = self.runner.sample_tokens()
+        if launch:
+            self.hooks.step_scheduled(plan)
+            self.runner.execute_model(plan)
+            self.in_flight.append((plan, self.runner.sample_tokens()))
+        if not self.in_flight or (launch and self.config.async_scheduling and len(self.in_flight) < 2):
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        done, pending = self.in_flight.popleft()
+        result = pending.result() if not isinstance(pending, ModelRunnerOutput) else pending
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(plan, result)
+        outputs = self.scheduler.update_from_output(done, result)
         t3 = time.perf_counter()
-        self._emit_step_events(plan, result, outputs,
+        self._emit_step_events(done, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
         return outputs
 

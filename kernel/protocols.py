@@ -70,12 +70,22 @@ class Scheduler(Protocol):
     def make_stats(self) -> SchedulerStats: ...
 
 
+class PendingOutput(Protocol):
+    """A step's result that may still be on its way (asynchronous scheduling)."""
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for it (once); later calls return the same output."""
+
+
 @runtime_checkable
 class ModelRunner(Protocol):
     """Executes plans on a device: input packing, forward, sampling, proposing."""
 
     vocab_size: int
     model_max_len: int | None  # the model's max_position_embeddings, if it has one
+    # Resolved by ``initialize``: whether ``sample_tokens`` returns a PendingOutput, so the engine
+    # plans the next step before committing this one.
+    async_scheduling: bool
 
     def initialize(self) -> int:
         """Allocate the KV cache and buffers once the config is resolved; returns ``num_kv_blocks``."""
@@ -83,7 +93,7 @@ class ModelRunner(Protocol):
     def execute_model(self, plan: SchedulerOutput) -> None:
         """Update resident request state from the plan and run the forward pass."""
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self) -> ModelRunnerOutput | PendingOutput:
         """Sample (or rejection-sample drafts) for the last executed plan, then propose drafts."""
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

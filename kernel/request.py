@@ -64,6 +64,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + committed output
     spec_token_ids: list[int] = field(default_factory=list)  # unverified drafts for the next step
+    # Tokens scheduled to be sampled by steps not committed yet (asynchronous scheduling plans the
+    # next step first); the next step computes them on the device without the host knowing them.
+    num_output_placeholders: int = 0
     num_computed_tokens: int = 0  # positions whose KV the target has written and may rely on
     num_cached_tokens: int = -1  # prefix-cache hit length at first admission (-1: not yet looked up)
     num_preemptions: int = 0

@@ -54,7 +54,8 @@ class FCFSScheduler:
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         # Requests of each plan not yet committed, so late output finds the object it was made for.
-        self._in_flight: dict[int, dict[str, Request]] = {}
+        # Requests of each plan not yet committed (and whether the plan samples for them).
+        self._in_flight: dict[int, dict[str, tuple[Request, bool]]] = {}
         self._prompt_tokens: dict[int, int] = {}
         self._num_preemptions = 0
 
@@ -170,8 +171,13 @@ class FCFSScheduler:
         return self._build_plan(num_scheduled, new_block_ids, scheduled_running, admitted)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        """This step's share of a running request's debt."""
-        num_new = request.num_tokens - request.num_computed_tokens
+        """This step's share of a running request's debt. Tokens a launched step will sample
+        (placeholders) count as known: the next step computes them on the device."""
+        pending = request.num_output_placeholders
+        if pending and (request.num_output_tokens + pending >= request.max_tokens
+                        or request.num_tokens + pending >= self.max_model_len):
+            return 0  # the launched step already samples its last token
+        num_new = request.num_tokens + pending - request.num_computed_tokens
         if num_new == 1 and request.spec_token_ids:
             # Drafts only ride on a decode (never inside a prefill chunk), and only as many as can
             # be committed without passing max_model_len.
@@ -182,7 +188,7 @@ class FCFSScheduler:
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """Draft slots are only needed when this step samples, i.e. reaches the last known token."""
-        reaches_end = request.num_computed_tokens + num_new >= request.num_tokens
+        reaches_end = request.num_computed_tokens + num_new >= request.num_tokens + request.num_output_placeholders
         return self.num_lookahead_tokens if reaches_end else 0
 
     def _build_plan(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
@@ -190,7 +196,8 @@ class FCFSScheduler:
         running_data, spec_tokens = [], {}
         for request in scheduled_running:
             rid = request.request_id
-            num_spec = request.num_computed_tokens + num_scheduled[rid] - request.num_tokens
+            num_spec = (request.num_computed_tokens + num_scheduled[rid] - request.num_tokens
+                        - request.num_output_placeholders)
             if num_spec > 0:
                 spec_tokens[rid] = request.spec_token_ids[:num_spec]
             running_data.append(CachedRequestData(rid, request.all_token_ids[request.num_tokens_sent:],
@@ -208,10 +215,16 @@ class FCFSScheduler:
 
         now = time.monotonic()
         num_prompt_tokens = 0
+        samples: dict[str, tuple[Request, bool]] = {}
         for request in (*scheduled_running, *admitted):
             n = num_scheduled[request.request_id]
             start = request.num_computed_tokens
             num_prompt_tokens += max(min(start + n, request.num_prompt_tokens) - start, 0)
+            # Reaching the end of the known tokens, the step samples one: until it is committed it
+            # is a placeholder the next plan may already build on.
+            sampling = start + n >= request.num_tokens + request.num_output_placeholders
+            request.num_output_placeholders += sampling
+            samples[request.request_id] = (request, sampling)
             # Optimistic: every planned position counts as computed, drafts included, so the plan
             # alone says what the runner will hold after this step; update_from_output rolls back
             # the drafts the target rejects.
@@ -234,7 +247,7 @@ class FCFSScheduler:
         self.finished_req_ids.clear()
         self.preempted_req_ids.clear()
         if num_scheduled:
-            self._in_flight[self.step_id] = {r.request_id: r for r in (*scheduled_running, *admitted)}
+            self._in_flight[self.step_id] = samples
             self._prompt_tokens[self.step_id] = num_prompt_tokens
         return plan
 
@@ -243,6 +256,7 @@ class FCFSScheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -254,9 +268,10 @@ class FCFSScheduler:
         stats = SchedulerStats(num_prompt_tokens=self._prompt_tokens.pop(plan.step_id, 0))
         outputs = []
         for i, rid in enumerate(result.req_ids):
-            request = scheduled.get(rid)
+            request, sampling = scheduled.get(rid, (None, False))
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran: drop its output (invariant 9)
+            request.num_output_placeholders -= sampling
             sampled = result.sampled_token_ids[i]
             num_draft = len(plan.scheduled_spec_decode_tokens.get(rid, ()))
             num_accepted = 0

@@ -94,8 +94,9 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.from_engine_args(args.model_path, **engine_args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+        engine = AsyncEngine.from_engine_args(args.model_path, engine_process=getattr(args, "engine_process", True),
+                                              **engine_args)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"specloop serve: error: {e}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None

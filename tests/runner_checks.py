@@ -94,11 +94,33 @@ def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3") 
     return runner
 
 
+def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
+    """The gpu runner with asynchronous scheduling (the next step reads this step's tokens on the
+    device; the host learns them a step late) against the synchronous torch runner, through the
+    engine: greedy and seeded requests, chunked prefill, a shared prefix and preemption."""
+    from specloop import LLM, SamplingParams
+
+    model = tiny("qwen3")
+    prompts_ = [p[:9] for p in prompts(6, seed=21, min_len=9, max_len=20)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0), SamplingParams(max_tokens=9, temperature=0.8, seed=3)] * 3
+    outs = {}
+    for runner, mode in (("torch", False), ("gpu", True)):
+        llm = LLM(model.path, model_runner=runner, async_scheduling=mode, device=device, dtype=dtype,
+                  skip_tokenizer_init=True, block_size=4, num_kv_blocks=24, max_model_len=32,
+                  max_num_batched_tokens=16)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts_], params, use_tqdm=False)
+        assert llm.config.async_scheduling is mode
+        outs[runner] = [o.outputs[0].token_ids for o in got]
+        llm.core.shutdown()
+    assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
+
+
 def _main() -> None:
     import sys
 
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
+    check_async_scheduling_matches_sync("cpu", "float32")
     print("ok runner")
 
 

@@ -49,6 +49,10 @@ def test_gpu_runner_matches_torch_runner(variant: str, dtype: str) -> None:
     assert getattr(runner.parts.executor, "num_replays", 0) > 0, "decode steps did not use CUDA graphs"
 
 
+def test_async_scheduling_matches_synchronous_torch_runner() -> None:
+    rc.check_async_scheduling_matches_sync("cuda", "float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     """Through the whole engine: 24 prompts, a shared prefix (prefix-cache hits), a small token

@@ -31,6 +31,7 @@ logger = logging.getLogger("specloop")
 
 class GpuPlatform:
     default_attention_backend = "triton"
+    overlap = "device"
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))

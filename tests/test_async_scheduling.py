@@ -1,0 +1,110 @@
+"""Asynchronous scheduling: the next step is planned and launched before this one's tokens are
+committed. With the torch runner the step runs on a worker thread; outputs must be exactly those of
+synchronous scheduling, greedy and seeded, through chunked prefill, prefix hits, preemption, stops
+and aborts, and nothing may leak (the GPU runner's device-side variant is checked under the Triton
+interpreter in ``runner_checks.py`` and on CUDA in ``test_gpu_backend.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specloop import LLM, AsyncEngine, SamplingParams
+from specloop.frontend.engine_builder import make_config
+
+PROMPTS = ["def read(path):\n", "import os\nimport sys\n\n\n", "class Stack:\n    def push(self, item):",
+           "for key, value in", "    return self._", "if __name__ == '__main__':\n"]
+# A small KV cache (preemption), a small token budget (chunked prefill), block size 4 (prefix hits
+# on the shared "    " starts).
+ENGINE = dict(block_size=4, num_kv_blocks=30, max_model_len=96, max_num_batched_tokens=24, max_num_seqs=5)
+
+
+def params() -> list[SamplingParams]:
+    out = []
+    for i in range(len(PROMPTS)):
+        if i % 3 == 0:
+            out.append(SamplingParams(max_tokens=40, temperature=0.0))
+        elif i % 3 == 1:
+            out.append(SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=7 + i))
+        else:  # stops: a token stop, a stop string, EOS allowed
+            out.append(SamplingParams(max_tokens=35, temperature=0.0, stop=["= item", "modules, sys"],
+                                      stop_token_ids=[1018]))
+    return out
+
+
+def run(mode: bool) -> tuple[list[tuple], dict]:
+    llm = LLM(async_scheduling=mode, **ENGINE)
+    try:
+        assert llm.config.async_scheduling is mode
+        outs = llm.generate(PROMPTS * 2, params() * 2, use_tqdm=False)
+        stats = llm.get_metrics()
+        assert llm.core.scheduler.kv_cache.usage == 0.0 and not llm.core.has_unfinished_requests()
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs], stats
+    finally:
+        llm.core.shutdown()
+
+
+def test_async_scheduling_changes_no_output():
+    sync, sync_stats = run(False)
+    overlap, async_stats = run(True)
+    assert overlap == sync
+    assert sync_stats["num_preemptions"] > 0 and async_stats["num_preemptions"] > 0  # the cache was tight
+    assert sync_stats["prefix_cache_hits"] > 0
+    assert {reason for _, _, reason in sync} >= {"length", "stop"}
+
+
+def test_it_is_refused_with_speculative_decoding():
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_placeholders_are_cleared_by_commits_and_preemption():
+    llm = LLM(async_scheduling=True, **ENGINE)
+    try:
+        core = llm.core
+        for i, p in enumerate(PROMPTS):
+            core.add_requests(llm.processor.make_requests(f"r{i}", llm.processor.parse(p)[1],
+                                                          SamplingParams(max_tokens=20, ignore_eos=True)))
+        seen_in_flight = 0
+        while core.has_unfinished_requests():
+            core.step()
+            seen_in_flight = max(seen_in_flight, len(core.in_flight))
+            for request in core.scheduler.requests.values():
+                # At most one launched step is uncommitted, so at most one placeholder each.
+                assert request.num_output_placeholders in (0, 1)
+                assert request.num_tokens + request.num_output_placeholders >= request.num_computed_tokens
+        assert seen_in_flight == 1 and not core.in_flight
+    finally:
+        llm.core.shutdown()
+
+
+async def test_aborts_mid_stream_leave_the_others_exact():
+    alone = LLM(**ENGINE)
+    try:
+        want = alone.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False)
+    finally:
+        alone.core.shutdown()
+    engine = AsyncEngine(make_config(None, {**ENGINE, "async_scheduling": True}))
+    await engine.start()
+    try:
+        async def consume(i: int, stop_after: int | None) -> list[int]:
+            tokens: list[int] = []
+            async for out in engine.generate(PROMPTS[i], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                        ignore_eos=stop_after is not None),
+                                             f"r{i}", delta=True):
+                tokens += out.outputs[0].token_ids
+                if stop_after is not None and len(tokens) >= stop_after:
+                    break  # the consumer goes away: the request is aborted
+            return tokens
+
+        results = await asyncio.gather(consume(0, None), *(consume(i, 3 + i) for i in range(1, len(PROMPTS))))
+        assert results[0] == want[0].outputs[0].token_ids
+        # The busy loop takes inputs in order: by the time a request added after the aborts has
+        # finished, every aborted request has released its blocks, and so has the finished one.
+        async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0), "last"):
+            pass
+        assert out.outputs[0].token_ids == want[0].outputs[0].token_ids[:5]
+        assert engine.core.scheduler.kv_cache.usage == 0.0
+    finally:
+        await engine.shutdown()
