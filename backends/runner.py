@@ -34,6 +34,7 @@ from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
 from .drafting import DraftingStage
 from .executor import EagerExecutor, ForwardOutput, GraphKey
+from .pending import DeviceClock, PendingOutput
 from .requests import PLACEHOLDER, CachedRequestState, PlanChanges, apply_plan
 from .sampling_stage import SampleResult, SamplingStage, compute_logits
 
@@ -109,22 +110,6 @@ class TorchPlatform:
         pass
 
 
-class PendingOutput:
-    """A step's output whose tokens may still be on their way to the host; ``result()`` waits for
-    them once and returns the same :class:`ModelRunnerOutput` on every call."""
-
-    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
-        self._wait: Callable[[], ModelRunnerOutput] | None = wait
-        self._output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._wait is not None:
-            wait, self._wait = self._wait, None
-            self._output = wait()
-        assert self._output is not None
-        return self._output
-
-
 @dataclass(slots=True)
 class ExecutedStep:
     """What ``execute_model`` leaves for ``sample_tokens`` (``runner.executed`` in between)."""
@@ -133,6 +118,7 @@ class ExecutedStep:
     batch: InputBatch | None
     hidden_states: torch.Tensor | None
     aux_hidden_states: list[torch.Tensor]
+    device_start: torch.cuda.Event | None = None  # for the timeline, when asked for
 
 
 class ModelRunner:
@@ -167,6 +153,7 @@ class ModelRunner:
         self._worker: ThreadPoolExecutor | None = None
         self._executing: Future[None] | None = None
         self._pending: PendingOutput | None = None
+        self.device_clock: DeviceClock | None = None  # times device work for a timeline
 
     def _new_attention_backend(self) -> AttentionBackend:
         return self.plugins.attention_backends.create(self.attention_backend_name, config=self.config)
@@ -214,6 +201,8 @@ class ModelRunner:
             self.drafter.proposer.initialize(num_blocks)
         self.platform.kv_allocated(self)
         self.async_scheduling = self._resolve_async_scheduling()
+        if self.device.type == "cuda" and c.plugin_options.get("gpu", {}).get("device_timeline"):
+            self.device_clock = DeviceClock(self.device)
         if self.async_scheduling and self.platform.overlap == "thread":
             self._worker = ThreadPoolExecutor(1, "specloop-runner")
         return num_blocks
@@ -248,8 +237,9 @@ class ModelRunner:
             self.executed = ExecutedStep(plan, None, None, [])
             return
         batch, key = self.prepare_inputs(plan)
+        started = self.device_clock.mark() if self.device_clock is not None else None
         out = self.forward(batch, key)
-        self.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states)
+        self.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states, started)
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Apply the plan to the resident request state and every part that mirrors it."""
@@ -305,8 +295,9 @@ class ModelRunner:
             self._resolve_pending()  # the paths below read every request's tokens on the host
         draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
         result = sampler.sample(batch, step.hidden_states, self.requests, draft_probs, defer=defer)
+        span = self._device_span(step.device_start)
         if result.wait is not None:
-            self._pending = self._provisional_placeholders(batch, result)
+            self._pending = self._provisional_placeholders(batch, result, span)
             return self._pending
         for rid, tokens in zip(batch.req_ids, result.sampled):
             self.requests[rid].token_ids.extend(tokens)  # provisional until the next plan commits them
@@ -314,9 +305,17 @@ class ModelRunner:
             self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
                                                 result.sampled, self.requests)
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
-                                 logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
+                                 logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs,
+                                 device_span=span() if span is not None else None)
 
-    def _provisional_placeholders(self, batch: InputBatch, result: SampleResult) -> PendingOutput:
+    def _device_span(self, started: torch.cuda.Event | None) -> Callable[[], tuple[float, float]] | None:
+        if started is None or self.device_clock is None:
+            return None
+        ended, clock = self.device_clock.mark(), self.device_clock
+        return lambda: (clock.time_of(started), clock.time_of(ended))
+
+    def _provisional_placeholders(self, batch: InputBatch, result: SampleResult,
+                                  span: Callable[[], tuple[float, float]] | None) -> PendingOutput:
         """One placeholder per request that sampled; filled when the tokens reach the host."""
         waiting = []
         for i, (_, count) in enumerate(batch.sample_rows):
@@ -331,7 +330,8 @@ class ModelRunner:
             for i, state, position in waiting:
                 if self.requests.get(state.req_id) is state:  # not finished or preempted meanwhile
                     state.token_ids[position] = sampled[i][0]
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                     device_span=span() if span is not None else None)
 
         return PendingOutput(wait)
 

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import threading
 from typing import Any, Callable
@@ -48,6 +49,8 @@ def _send(sock: zmq.Socket, kind: str, payload: Any) -> Any:
 def run_engine_core(config: EngineConfig, inputs: str, outputs: str) -> None:
     """The engine process: build the core, say ready, then loop: drain inputs (blocking only when
     idle), step, send the step's outputs."""
+    # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(inputs)

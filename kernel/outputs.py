@@ -95,6 +95,9 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # Per request with prompt_logprobs: entries for the prompt positions computed this step.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # When the runner timed its device work (a timeline asked for it): (start, end) of this step's
+    # forward and sampling on the device, in time.perf_counter() seconds.
+    device_span: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.req_ids) != len(self.sampled_token_ids):

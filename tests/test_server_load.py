@@ -169,3 +169,34 @@ def test_serve_exits_cleanly_on_signal(sig: int) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_dead_engine_process_gives_503s_and_a_clean_exit() -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "specloop", *serve_argv(tiny_model_dir(), port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        def health() -> int:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code
+            except httpx.TransportError:
+                return 0
+
+        assert wait_until(lambda: health() == 200, timeout=60, interval=0.1)
+        body = {"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0.0}
+        assert httpx.post(url + C, json=body, timeout=30).status_code == 200
+        # The engine core runs in a child process (`specloop serve` starts one by default).
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        (engine_pid,) = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(engine_pid, signal.SIGKILL)
+        assert wait_until(lambda: health() == 503, timeout=10, interval=0.05)
+        r = httpx.post(url + C, json=body, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["message"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

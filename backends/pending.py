@@ -1,0 +1,48 @@
+"""What a step leaves pending: outputs whose tokens are still on their way to the host
+(asynchronous scheduling), and device timestamps for a timeline."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from specloop.kernel.outputs import ModelRunnerOutput
+
+
+class DeviceClock:
+    """Device timestamps on the host's clock: CUDA events measured from one anchor event whose host
+    time is known (recorded on an idle device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self.anchor = torch.cuda.Event(enable_timing=True)
+        self.anchor.record()
+        self.anchor.synchronize()
+        self.anchor_time = time.perf_counter()
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def time_of(self, event: torch.cuda.Event) -> float:
+        event.synchronize()
+        return self.anchor_time + self.anchor.elapsed_time(event) / 1e3
+
+
+class PendingOutput:
+    """A step's output whose tokens may still be on their way to the host; ``result()`` waits for
+    them once and returns the same :class:`ModelRunnerOutput` on every call."""
+
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+        self._wait: Callable[[], ModelRunnerOutput] | None = wait
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            self._output = wait()
+        assert self._output is not None
+        return self._output

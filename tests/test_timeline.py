@@ -1,0 +1,55 @@
+"""The step timeline: a Chrome trace-event file that trace viewers load, with the host's step phases
+and each request's queued / prefill / decode spans."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from specloop import LLM, SamplingParams
+from specloop.plugins.timeline import TRACE_FILE_ENV
+
+PROMPTS = ["def read(path):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
+           "for key, value in"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_timeline_file_loads_and_covers_steps_and_requests(tmp_path, monkeypatch, async_scheduling):
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv(TRACE_FILE_ENV, str(path))
+    llm = LLM(block_size=4, num_kv_blocks=24, max_model_len=80, max_num_batched_tokens=16,
+              async_scheduling=async_scheduling)
+    llm.generate(PROMPTS * 2, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    preemptions = llm.get_metrics()["num_preemptions"]
+    llm.core.shutdown()
+
+    events = json.loads(path.read_text())  # a closed, valid JSON array
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M" and "tid" in e}
+    assert {"host", "device"} <= set(names.values())
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
+
+    host = sorted((e for e in spans if names.get((e["pid"], e["tid"])) == "host"), key=lambda e: e["ts"])
+    steps = defaultdict(list)
+    for e in host:
+        steps[e["args"]["step"]].append(e["name"])
+    assert steps and all(phases == ["schedule", "execute", "update"] for phases in steps.values())
+    for a, b in zip(host, host[1:]):  # one host thread: spans do not overlap
+        assert a["ts"] + a["dur"] <= b["ts"] + 1.0  # rounding to 0.1 us
+
+    by_request = defaultdict(list)
+    for e in spans:
+        track = names.get((e["pid"], e["tid"]))
+        if track not in ("host", "device"):
+            by_request[track].append(e)
+    assert len(by_request) == len(PROMPTS) * 2
+    for track, phases in by_request.items():
+        phases.sort(key=lambda e: e["ts"])
+        kinds = [e["name"] for e in phases]
+        assert kinds[0] == "queued" and kinds[-1] == "decode" and "prefill" in kinds, (track, kinds)
+        for a, b in zip(phases, phases[1:]):  # phases follow each other
+            assert abs(a["ts"] + a["dur"] - b["ts"]) <= 1.0
+    instants = [e for e in events if e["ph"] == "i"]
+    assert preemptions > 0 and len(instants) == preemptions
