@@ -7,16 +7,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import time
+
 from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
 from specloop.proposers.base import DraftProposal, Proposer, ProposerInputs
+from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
 from .requests import CachedRequestState
 
 
 class DraftingStage:
-    def __init__(self, proposer: Proposer) -> None:
+    def __init__(self, proposer: Proposer, policy: SpeculationPolicy) -> None:
         self.proposer = proposer
+        self.policy = policy
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
 
@@ -24,15 +28,29 @@ class DraftingStage:
     def aux_layers(self) -> tuple[int, ...]:
         return tuple(self.proposer.hidden_state_layers)
 
-    def remove(self, req_ids: frozenset[str]) -> None:
+    def remove(self, req_ids: frozenset[str], finished: frozenset[str]) -> None:
         for rid in req_ids:
             self.draft_probs.pop(rid, None)
         if req_ids:
             self.proposer.remove_requests(req_ids)
+        if finished:
+            self.policy.forget(list(finished))
 
     def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
-                requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
+                requests: dict[str, CachedRequestState], step_seconds: float) -> DraftTokenIds | None:
+        """``step_seconds``: what the step's forward and sampling took (the policy's cost model)."""
+        start = time.perf_counter()
+        drafts = self._propose(plan, batch, hidden_states, aux_hidden_states, sampled, requests)
+        verified = [(rid, len(spec), len(out) - 1)
+                    for rid, spec, out in zip(batch.req_ids, batch.spec_token_ids, sampled) if spec and out]
+        self.policy.observe(StepObservation(batch.num_tokens, step_seconds, time.perf_counter() - start,
+                                            sum(map(len, drafts.draft_token_ids)) if drafts else 0, verified))
+        return drafts
+
+    def _propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
+                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
+                 requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
         idx = [i for i, s in enumerate(sampled) if s]
         self.draft_probs.clear()
         if not idx:
@@ -53,6 +71,8 @@ class DraftingStage:
             block_ids=[r.block_ids for r in reqs],
             plan=plan,
         )
+        k = self.proposer.num_speculative_tokens
+        inputs.max_drafts = np.array(self.policy.choose(inputs.req_ids, k), dtype=np.int64)
         if self.proposer.needs_hidden_states:
             _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx)
         proposal: DraftProposal = self.proposer.propose(inputs)

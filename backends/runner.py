@@ -15,6 +15,7 @@ fast sampling path around the same reference parts, which stay the oracle for ea
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -119,6 +120,7 @@ class ExecutedStep:
     hidden_states: torch.Tensor | None
     aux_hidden_states: list[torch.Tensor]
     device_start: torch.cuda.Event | None = None  # for the timeline, when asked for
+    host_start: float = 0.0  # time.perf_counter() when the step's inputs began
 
 
 class ModelRunner:
@@ -171,7 +173,8 @@ class ModelRunner:
         return ProposerContext(device=self.device, dtype=self.dtype, model_config=self.model_config,
                                vocab_size=self.vocab_size, block_size=self.block_size, models=self.plugins.models,
                                attention_backend=self._new_attention_backend, ops=self.ops,
-                               embed_tokens=model.embed_tokens, lm_head=model.compute_logits, target=model)
+                               embed_tokens=model.embed_tokens, lm_head=model.compute_logits, target=model,
+                               proposers=self.plugins.proposers)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -180,7 +183,8 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None:
             proposer = self.plugins.proposers.create(spec.method, config=self.config, context=self.proposer_context())
-            self.drafter = DraftingStage(proposer)
+            policy = self.plugins.speculation_policies.create(spec.policy, config=self.config)
+            self.drafter = DraftingStage(proposer, policy)
         self.parts = self.platform.parts(self)
         executor = self.parts.executor
         c = self.config
@@ -236,10 +240,11 @@ class ModelRunner:
         if plan.total_num_scheduled_tokens == 0:
             self.executed = ExecutedStep(plan, None, None, [])
             return
+        t0 = time.perf_counter()
         batch, key = self.prepare_inputs(plan)
         started = self.device_clock.mark() if self.device_clock is not None else None
         out = self.forward(batch, key)
-        self.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states, started)
+        self.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states, started, t0)
 
     def update_states(self, plan: SchedulerOutput) -> None:
         """Apply the plan to the resident request state and every part that mirrors it."""
@@ -248,7 +253,7 @@ class ModelRunner:
         parts.builder.update(changes)
         parts.sampler.forget(changes.finished)
         if self.drafter is not None:
-            self.drafter.remove(changes.removed)
+            self.drafter.remove(changes.removed, changes.finished)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> tuple[InputBatch, GraphKey | None]:
         """The step's inputs, padded for the CUDA graph that will run it, if one will."""
@@ -303,7 +308,7 @@ class ModelRunner:
             self.requests[rid].token_ids.extend(tokens)  # provisional until the next plan commits them
         if self.drafter is not None:
             self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
-                                                result.sampled, self.requests)
+                                                result.sampled, self.requests, time.perf_counter() - step.host_start)
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
                                  logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs,
                                  device_span=span() if span is not None else None)

@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# BENCHMARKS.md shapes.
+# The shapes the GPU benchmarks measure (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=1024,
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -32,6 +32,15 @@ SHAPES: dict[str, dict[str, Any]] = {
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, vocab_size=128256, tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5,
                       max_position_embeddings=8192),
+    # A one-layer draft at the target's width: what an EAGLE-style head costs per draft token.
+    "llama3-8b-1layer": dict(config_class="LlamaConfig", architecture="LlamaForCausalLM", hidden_size=4096,
+                             intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+                             num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                             rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
+    "qwen3-0.6b-1layer": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=1024,
+                              intermediate_size=3072, num_hidden_layers=1, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                              rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960),
     # A few-layer stand-in with the same per-layer shapes, for trying the scripts on a CPU.
     "tiny": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,

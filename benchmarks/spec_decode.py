@@ -20,8 +20,17 @@ training (``tools/train_default_models.py``), tokenized with the model's tokeniz
 draws token ids uniformly. The model defaults to the shipped ``specloop-tiny`` and the draft to
 ``specloop-tiny-draft`` (else the target itself, an upper bound on acceptance).
 
+With ``--alpha A`` every method runs acceptance-controlled (``proposers/controlled.py``): it pays its
+real drafting cost, but its drafts are replaced by the target's known greedy continuation (from the
+run without speculation), each position right with probability A, so speedup can be read against
+acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
+speculation policy choose each request's draft count per step (K is then its maximum). The two
+engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU.
+
     python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
     python benchmarks/spec_decode.py --model out/checkpoints/tiny --prompts random --device cpu
+    python benchmarks/spec_decode.py --model llama3-8b --prompts random --alpha 0.8 --ks 3 --batch-sizes 1 \
+        --methods ngram,draft_model --draft-model llama3-8b-1layer
 """
 
 from __future__ import annotations
@@ -79,13 +88,13 @@ class Engine:
     a time, one ``generate`` call per round."""
 
     def __init__(self, args: argparse.Namespace, prompts: list[list[int]], batch_size: int,
-                 spec: dict[str, Any] | None) -> None:
+                 spec: dict[str, Any] | None, plugin_options: dict[str, Any] | None = None) -> None:
         from specloop import LLM, SamplingParams
 
         self.cuda = args.device.startswith("cuda")
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
                        max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=batch_size,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+                       gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=plugin_options or {})
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         requests = [{"prompt_token_ids": p} for p in prompts]
         self.rounds = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
@@ -157,7 +166,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
                              "and a busy machine makes a multi-threaded pool stall)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="per engine: a comparison keeps two engines alive")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="acceptance-controlled: each draft position right with this probability")
+    parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -172,6 +185,8 @@ def main() -> None:
         args.model = build_checkpoint(args.model, args.ckpt_root, device)
     if not os.path.isdir(args.model):
         raise SystemExit(f"no model at {args.model}; pass --model DIR or a shape ({', '.join(SHAPES)})")
+    if args.draft_model in SHAPES:
+        args.draft_model = build_checkpoint(args.draft_model, args.ckpt_root, device)
     if args.draft_model is None:
         sibling = args.model.rstrip("/") + "-draft"
         args.draft_model = sibling if os.path.isdir(sibling) else args.model
@@ -190,12 +205,17 @@ def main() -> None:
                                              "output tok/s": base.stats["output_tokens"] / base.seconds})
         for method in args.methods:
             for k in args.ks:
-                spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+                spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k, "policy": args.policy}
                 if method == "ngram":
                     spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
                 elif method == "draft_model":
                     spec["model"] = args.draft_model
-                engine = Engine(args, batch, b, spec)
+                options: dict[str, Any] = {}
+                if args.alpha is not None:
+                    spec.update(method="controlled", wraps=method, alpha=args.alpha)
+                    truth = {tuple(p): t for p, t in zip(batch, base.stats["tokens"])}
+                    options["controlled"] = {"continuations": truth}
+                engine = Engine(args, batch, b, spec, options)
                 # Alternate the two engines so that both see the same machine conditions.
                 base.times.clear()
                 for _ in range(args.repeat):

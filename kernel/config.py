@@ -19,6 +19,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_dtype: str | None = None
+    policy: str = "fixed"  # how many drafts each request gets per step (a registered speculation policy)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

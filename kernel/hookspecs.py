@@ -105,6 +105,20 @@ def specloop_register_proposers(register: Register) -> None:
 
 
 @hookspec
+def specloop_register_speculation_policies(register: Register) -> None:
+    """Contribute speculation policies: how many drafts each request gets per step.
+
+    Fires once while the engine's plugin manager is built.
+
+    :param register: ``register(name, factory)``; ``name`` is a ``speculative_config["policy"]``
+        (built-in: ``"fixed"``, the default, and ``"adaptive"``) and ``factory(config: EngineConfig)``
+        returns a ``specloop.proposers.policy.SpeculationPolicy``, which the model runner asks
+        every step for each request's draft count (0 turns speculation off for it) and tells what
+        the step cost and what was accepted.
+    """
+
+
+@hookspec
 def specloop_register_routes(register: Register) -> None:
     """Contribute HTTP routes to ``specloop serve``.
 

@@ -28,7 +28,7 @@ BUILTIN_DISTRIBUTION = "specloop"
 DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",
-                   "proposers", "routes")
+                   "proposers", "speculation_policies", "routes")
 
 
 class UnknownComponentError(ValueError):
@@ -202,6 +202,7 @@ class PluginManager:
         self.model_runners: Registry = self._collect("model_runners")
         self.models: Registry = self._collect("models")
         self.proposers: Registry = self._collect("proposers")
+        self.speculation_policies: Registry = self._collect("speculation_policies")
         self.routes: Registry = self._collect("routes")
         self.registries: dict[str, Registry] = {kind: getattr(self, kind) for kind in COMPONENT_KINDS}
 

@@ -52,6 +52,7 @@ class ProposerContext:
     embed_tokens: nn.Module  # the target's input embedding (EAGLE and MTP share it)
     lm_head: Callable[[torch.Tensor], torch.Tensor]  # the target's hidden states -> logits
     target: Any = None  # the target ``nn.Module`` itself, for proposers that read more of it
+    proposers: Registry | None = None  # the proposer registry, for proposers that wrap another
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ class ProposerInputs:
     eos_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     # The target's block table per request (proposers with their own KV cache index it too).
     block_ids: list[list[int]] = field(default_factory=list)
+    # How many drafts the speculation policy gives each request this step (None: num_speculative_tokens).
+    max_drafts: np.ndarray | None = None  # [B]
     # The target's forward this step: rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the
     # hidden states belong to request ``i`` (their last ``num_rejected[i]`` rows held rejected
     # drafts). Filled only for proposers with ``needs_hidden_states``.
@@ -104,14 +107,17 @@ class DraftProposal:
 
 
 def draft_limits(config: EngineConfig, inputs: ProposerInputs, k: int) -> np.ndarray:
-    """How many drafts each request may take: ``k``, less where the next step's ``drafts + 1``
-    tokens would pass ``max_model_len`` or the request's ``max_tokens``."""
+    """How many drafts each request may take: ``k``, less where the speculation policy says so or
+    the next step's ``drafts + 1`` tokens would pass ``max_model_len`` or the request's
+    ``max_tokens``."""
     max_model_len = config.max_model_len or 1 << 62
     lengths = np.array([len(t) for t in inputs.token_ids], dtype=np.int64)
     num_output = lengths - inputs.num_prompt_tokens
     max_tokens = np.array([p.max_tokens if p.max_tokens is not None else 1 << 62 for p in inputs.sampling_params],
                           dtype=np.int64)
     room = np.minimum(max_model_len - lengths, max_tokens - num_output) - 1
+    if inputs.max_drafts is not None:
+        room = np.minimum(room, inputs.max_drafts)
     return np.clip(room, 0, k)
 
 

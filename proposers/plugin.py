@@ -10,3 +10,10 @@ from specloop.kernel.hookspecs import Register, hookimpl
 def specloop_register_proposers(register: Register) -> None:
     register("ngram", "specloop.proposers.ngram:NgramProposer")
     register("draft_model", "specloop.proposers.draft_model:DraftModelProposer")
+    register("controlled", "specloop.proposers.controlled:ControlledProposer")
+
+
+@hookimpl
+def specloop_register_speculation_policies(register: Register) -> None:
+    register("fixed", "specloop.proposers.policy:FixedPolicy")
+    register("adaptive", "specloop.proposers.policy:AdaptivePolicy")

@@ -108,6 +108,10 @@ class Recorder:
         self.calls["specloop_register_proposers"].append({"register": register})
 
     @hookimpl
+    def specloop_register_speculation_policies(self, register):
+        self.calls["specloop_register_speculation_policies"].append({"register": register})
+
+    @hookimpl
     def specloop_register_routes(self, register):
         self.calls["specloop_register_routes"].append({"register": register})
 

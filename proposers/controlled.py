@@ -1,0 +1,78 @@
+"""An acceptance-controlled proposer, for benchmarks: it runs a real proposer (so every step pays
+that proposer's real drafting cost) and then replaces its drafts with the target's known greedy
+continuation, each position right with probability ``alpha`` and otherwise a token the target is
+known not to choose. Acceptance then follows ``alpha`` exactly, on any model, random weights
+included, and speedup can be charted against acceptance for every method.
+
+``speculative_config={"method": "controlled", "num_speculative_tokens": K, "wraps": "ngram",
+"alpha": 0.8, ...the wrapped method's own keys}`` with ``plugin_options["controlled"] =
+{"continuations": {tuple(prompt ids): [greedy output ids, ...]}}`` (a greedy run without speculation
+gives them). Greedy requests only: a sampled target has no known continuation.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterable
+
+import numpy as np
+
+from specloop.kernel.config import EngineConfig, SpeculativeConfig
+
+from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+
+
+class ControlledProposer(Proposer):
+    def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
+        super().__init__(config, context)
+        spec = config.speculative_config
+        extra = dict(spec.extra)
+        wraps = extra.pop("wraps", None)
+        if not wraps or wraps == "controlled":
+            raise ValueError("speculative_config.method='controlled' needs 'wraps': the method whose cost it pays")
+        self.alpha = float(extra.pop("alpha", 0.8))
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"speculative_config.alpha must be in [0, 1], got {self.alpha}")
+        self.seed = int(extra.pop("seed", 0))
+        options = config.plugin_options.get("controlled", {})
+        self.continuations: dict[tuple[int, ...], list[int]] = dict(options.get("continuations", {}))
+        inner = copy.copy(config)
+        inner.speculative_config = SpeculativeConfig(method=wraps, num_speculative_tokens=spec.num_speculative_tokens,
+                                                     model=spec.model, prompt_lookup_min=spec.prompt_lookup_min,
+                                                     prompt_lookup_max=spec.prompt_lookup_max,
+                                                     draft_dtype=spec.draft_dtype, extra=extra)
+        if context is None or context.proposers is None:
+            raise ValueError("speculative_config.method='controlled' needs the engine's proposer registry")
+        self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
+        self.needs_hidden_states = self.inner.needs_hidden_states
+        self.hidden_state_layers = self.inner.hidden_state_layers
+        self.vocab_size = context.vocab_size
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.inner.kv_cache_bytes_per_block()
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        self.inner.initialize(num_kv_blocks)
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        self.inner.remove_requests(req_ids)
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        self.inner.propose(inputs)  # its cost is what is being measured
+        limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
+        drafts: list[list[int]] = []
+        for i, tokens in enumerate(inputs.token_ids):
+            num_prompt = int(inputs.num_prompt_tokens[i])
+            truth = self.continuations.get(tuple(tokens[:num_prompt].tolist()))
+            if truth is None:
+                raise KeyError(f"no known continuation for request {inputs.req_ids[i]!r}'s prompt")
+            done = len(tokens) - num_prompt  # output tokens so far; the drafts continue from there
+            rng = np.random.default_rng([self.seed, num_prompt, done, *tokens[:4].tolist()])
+            row = []
+            for j in range(int(limits[i])):
+                if done + j >= len(truth):
+                    break
+                right = truth[done + j]
+                row.append(right if rng.random() < self.alpha else (right + 1) % self.vocab_size)
+            drafts.append(row)
+        return DraftProposal(drafts)

@@ -1,0 +1,171 @@
+"""Speculation policies: how many drafts each request gets in the next step.
+
+Speculation pays when the tokens a verification step commits grow faster than the step's cost.
+Both sides move: acceptance differs by request and by position in the draft, and a step's cost grows
+with the tokens it computes (a little at small batch, where the forward is bandwidth-bound, a lot at
+large batch, where it is compute-bound) plus what drafting costs. The ``adaptive`` policy measures
+both and picks, per request and per step, the draft counts that maximise expected tokens per second;
+``fixed`` always asks for ``num_speculative_tokens``.
+
+The model runner's drafting stage calls :meth:`SpeculationPolicy.choose` before proposing and
+:meth:`SpeculationPolicy.observe` after each step with what it measured.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from specloop.kernel.config import EngineConfig
+
+
+@dataclass(slots=True)
+class StepObservation:
+    """One step, as the drafting stage measured it."""
+
+    num_tokens: int  # tokens the target computed (each request's 1 + drafts verified, prefills too)
+    step_seconds: float  # the target's forward and sampling
+    draft_seconds: float  # the proposer's propose() call that followed
+    num_drafted: int  # draft tokens that call proposed
+    # Per request that verified drafts: (request id, drafts verified, drafts accepted).
+    verified: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+class SpeculationPolicy(Protocol):
+    def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
+        """Draft counts for these requests' next step, each in ``[0, limit]``."""
+
+    def observe(self, step: StepObservation) -> None: ...
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        """Finished or preempted requests."""
+
+
+class FixedPolicy:
+    """Always ``k`` drafts (``num_speculative_tokens`` unless changed, e.g. by a benchmark)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 0
+
+    def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
+        return [min(self.k, limit)] * len(req_ids)
+
+    def observe(self, step: StepObservation) -> None:
+        pass
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        pass
+
+
+class _Acceptance:
+    """Accepted / tried counts per draft position (conditional: position i is tried only when every
+    draft before it was accepted)."""
+
+    __slots__ = ("accepted", "tried")
+
+    def __init__(self, k: int) -> None:
+        self.accepted = [0.0] * k
+        self.tried = [0.0] * k
+
+    def add(self, verified: int, accepted: int) -> None:
+        for i in range(min(verified, accepted + 1)):
+            self.tried[i] += 1
+            self.accepted[i] += i < accepted
+
+    def decay(self, factor: float) -> None:
+        self.accepted = [a * factor for a in self.accepted]
+        self.tried = [t * factor for t in self.tried]
+
+
+class AdaptivePolicy:
+    """Per-request draft counts from measured acceptance and a measured cost model.
+
+    Acceptance: each request's per-position acceptance, shrunk toward the engine-wide figure
+    (``prior_weight`` pseudo-observations), so a new request starts from what others showed and
+    settles on its own. Cost: a step of ``T`` target tokens costs ``a + b * T`` seconds (least
+    squares over the last ``window`` steps) plus ``c`` seconds per drafted token. Choice: start every
+    request at 0 drafts and add one draft at a time where the expected gain (the probability that
+    this and every earlier draft are accepted) is largest, while it raises expected tokens per second:
+    ``gain > E * (b + c) / t`` for the step's current expected tokens ``E`` and cost ``t``. Until the
+    model has ``warmup`` steps it asks for the full ``limit``; every ``explore_every`` steps a request
+    at 0 gets one draft, so a request that turned speculation off can turn it back on.
+    """
+
+    def __init__(self, config: EngineConfig, *, window: int = 64, warmup: int = 8, prior_weight: float = 4.0,
+                 explore_every: int = 16) -> None:
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
+        self.window, self.warmup, self.prior_weight, self.explore_every = window, warmup, prior_weight, explore_every
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.draft_cost = 0.0  # seconds per drafted token (exponential moving average)
+        self.engine = _Acceptance(self.k)
+        self.requests: dict[str, _Acceptance] = {}
+        self.num_choices = 0
+
+    # --- model -------------------------------------------------------------------------------------
+
+    def cost_model(self) -> tuple[float, float]:
+        """``(a, b)`` of ``step_seconds = a + b * tokens``; b is clamped at 0."""
+        n = len(self.steps)
+        mean_t = sum(t for t, _ in self.steps) / n
+        mean_s = sum(s for _, s in self.steps) / n
+        var = sum((t - mean_t) ** 2 for t, _ in self.steps)
+        b = max(sum((t - mean_t) * (s - mean_s) for t, s in self.steps) / var, 0.0) if var > 0 else 0.0
+        return max(mean_s - b * mean_t, 1e-9), b
+
+    def acceptance(self, req_id: str) -> list[float]:
+        """Conditional acceptance probability of each draft position for this request."""
+        own = self.requests.get(req_id)
+        out = []
+        for i in range(self.k):
+            g_tried = self.engine.tried[i]
+            prior = self.engine.accepted[i] / g_tried if g_tried else 0.5
+            acc, tried = (own.accepted[i], own.tried[i]) if own is not None else (0.0, 0.0)
+            out.append((acc + self.prior_weight * prior) / (tried + self.prior_weight))
+        return out
+
+    # --- the policy ---------------------------------------------------------------------------------
+
+    def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
+        self.num_choices += 1
+        limit = min(limit, self.k)
+        if len(self.steps) < self.warmup:
+            return [limit] * len(req_ids)
+        a, b = self.cost_model()
+        ks = [0] * len(req_ids)
+        reach = [1.0] * len(req_ids)  # probability that every draft so far is accepted
+        accept = [self.acceptance(r) for r in req_ids]
+        expected = float(len(req_ids))  # each request's own token
+        seconds = a + b * len(req_ids)
+        while True:
+            best, best_gain = -1, 0.0
+            for j in range(len(req_ids)):
+                if ks[j] < limit:
+                    gain = reach[j] * accept[j][ks[j]]
+                    if gain > best_gain:
+                        best, best_gain = j, gain
+            if best < 0 or best_gain <= expected * (b + self.draft_cost) / seconds:
+                break
+            ks[best] += 1
+            reach[best] = best_gain
+            expected += best_gain
+            seconds += b + self.draft_cost
+        if self.num_choices % self.explore_every == 0:
+            ks = [max(k, min(1, limit)) for k in ks]
+        return ks
+
+    def observe(self, step: StepObservation) -> None:
+        self.steps.append((step.num_tokens, step.step_seconds))
+        if step.num_drafted:
+            per_token = step.draft_seconds / step.num_drafted
+            self.draft_cost = per_token if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * per_token
+        self.engine.decay(0.99)  # recent behaviour counts more
+        for rid, verified, accepted in step.verified:
+            self.engine.add(verified, accepted)
+            self.requests.setdefault(rid, _Acceptance(self.k)).add(verified, accepted)
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            self.requests.pop(rid, None)

@@ -1,0 +1,122 @@
+"""Speculation policies: the adaptive policy's choices on scripted costs and acceptances, and greedy
+outputs unchanged by whatever it chooses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specloop import LLM, SamplingParams
+from specloop.kernel.config import EngineConfig
+from specloop.proposers.policy import AdaptivePolicy, FixedPolicy, StepObservation
+
+K = 4
+
+
+def policy(**kw) -> AdaptivePolicy:
+    return AdaptivePolicy(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": K,
+                                                           "policy": "adaptive"}), **kw)
+
+
+def feed(p: AdaptivePolicy, acceptance: dict[str, float], a: float, b: float, draft_cost: float,
+         steps: int = 40, seed: int = 0) -> None:
+    """Steps where every request verifies K drafts, each accepted with its probability until the
+    first rejection, and a step of T tokens costs a + b * T seconds."""
+    rng = random.Random(seed)
+    for n in range(steps):
+        verified = []
+        for rid, prob in acceptance.items():
+            accepted = 0
+            while accepted < K and rng.random() < prob:
+                accepted += 1
+            verified.append((rid, K, accepted))
+        tokens = len(acceptance) * (K + 1) - (n % 3) * len(acceptance)  # vary T so b is identifiable
+        p.observe(StepObservation(tokens, a + b * tokens, draft_cost * K * len(acceptance), K * len(acceptance),
+                                  verified))
+
+
+def test_until_warm_it_asks_for_the_limit():
+    p = policy(warmup=8)
+    assert p.choose(["a", "b"], K) == [K, K] and p.choose(["a"], 2) == [2]
+
+
+def test_cheap_steps_and_high_acceptance_draft_fully():
+    p = policy()
+    feed(p, {"a": 0.9, "b": 0.85}, a=5e-3, b=2e-6, draft_cost=1e-5)
+    assert p.choose(["a", "b"], K) == [K, K]
+
+
+def test_low_acceptance_turns_speculation_off():
+    p = policy(explore_every=1000)
+    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)
+    assert p.choose(["a"], K) == [0]
+
+
+def test_each_request_gets_its_own_count():
+    p = policy(explore_every=1000)
+    feed(p, {"good": 0.9, "bad": 0.05}, a=5e-3, b=1e-4, draft_cost=1e-4)
+    good, bad = p.choose(["good", "bad"], K)
+    assert good >= 3 and bad == 0
+
+
+def test_it_backs_off_when_the_step_is_compute_bound():
+    # The same acceptance; tokens cost 50x more per token (a large, compute-bound batch).
+    cheap, dear = policy(explore_every=1000), policy(explore_every=1000)
+    rates = {f"r{i}": 0.6 for i in range(32)}
+    feed(cheap, rates, a=5e-3, b=1e-6, draft_cost=1e-6)
+    feed(dear, rates, a=5e-3, b=1e-3, draft_cost=1e-6)
+    assert sum(cheap.choose(list(rates), K)) > 2 * sum(dear.choose(list(rates), K))
+    assert sum(dear.choose(list(rates), K)) < len(rates)  # most requests stop speculating
+
+
+def test_a_request_turned_off_is_explored_again():
+    p = policy(explore_every=4)
+    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)
+    choices = [p.choose(["a"], K)[0] for _ in range(8)]
+    assert choices.count(0) >= 5 and choices.count(1) >= 1
+
+
+def test_fixed_policy():
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    p = FixedPolicy(cfg)
+    assert p.choose(["a", "b"], 3) == [3, 3] and p.choose(["a"], 1) == [1]
+
+
+@pytest.mark.parametrize("policy_name", ["adaptive", "fixed"])
+def test_greedy_output_is_unchanged_by_the_policy(policy_name):
+    prompts = ["def read(path):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):"] * 2
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = LLM(block_size=4, num_kv_blocks=60, max_model_len=96)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.core.shutdown()
+    spec = LLM(block_size=4, num_kv_blocks=60, max_model_len=96,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "policy": policy_name})
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    metrics = spec.get_metrics()
+    spec.core.shutdown()
+    assert got == want and metrics["spec_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.8])
+def test_controlled_proposer_accepts_at_alpha(alpha):
+    prompts = ["def read(path):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
+               "for key, value in", "    return self._", "if __name__ == '__main__':\n"]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine = dict(block_size=4, num_kv_blocks=150, max_model_len=96)
+    plain = LLM(**engine)
+    outs = plain.generate(prompts, params, use_tqdm=False)
+    plain.core.shutdown()
+    truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
+    spec = LLM(**engine, plugin_options={"controlled": {"continuations": truth}},
+               speculative_config={"method": "controlled", "wraps": "ngram", "alpha": alpha,
+                                   "num_speculative_tokens": 3})
+    got = spec.generate(prompts, params, use_tqdm=False)
+    m = spec.get_metrics()
+    spec.core.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs]
+    per_pos = [n / m["spec_num_drafts"] for n in m["spec_num_accepted_tokens_per_pos"]]
+    assert m["spec_num_drafts"] > 60
+    # Position i is accepted when it and every draft before it were right: alpha ** (i + 1).
+    for i, rate in enumerate(per_pos[:2]):
+        assert abs(rate - alpha ** (i + 1)) < 0.12, (i, rate)
