@@ -36,6 +36,9 @@ class LoadedEngine:
     """What both frontends need: the core, the tokenizer (None without one), the input processor."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs several engines behind a router: use `specloop serve "
+                             "--data-parallel-size N` or frontend.data_parallel.DataParallelEngine")
         plugins = plugins or PluginManager(disable=config.disable_plugins)
         if config.model is not None or _runner_requires_model(config, plugins):
             config.model = resolve_model(config.model)

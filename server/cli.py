@@ -87,12 +87,12 @@ def served_names(args: argparse.Namespace, engine: Any) -> list[str]:
 
 def run_serve(args: argparse.Namespace) -> int:
     from specloop.cli import engine_kwargs
-    from specloop.frontend.async_engine import AsyncEngine
+    from specloop.frontend.data_parallel import build_async_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.from_engine_args(args.model_path, **engine_kwargs(args))
+        engine = build_async_engine(args.model_path, **engine_kwargs(args))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"specloop serve: error: {e}", file=sys.stderr)
         return 2
