@@ -51,7 +51,8 @@ from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from specloop.kernel.plugins import PluginManager
 from specloop.models.loader import resolve_device
-from specloop.models.parallel import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from specloop.models.parallel import (TensorParallel, abort_tensor_parallel, destroy_tensor_parallel,
+                                      init_tensor_parallel)
 
 from .runner import ModelRunner, Platform, RunnerParts, TorchPlatform
 from .sampling_stage import SamplingStage
@@ -145,6 +146,7 @@ class TensorParallelRunner:
             self.tp = init_tensor_parallel(0, _check_world(config), device)
         else:
             self.tp = self._spawn(config, size, device)
+            threading.Thread(target=self._monitor, name="specloop-tp-monitor", daemon=True).start()
         atexit.register(self.shutdown)
         try:
             self._send("build", config, platform)
@@ -167,16 +169,17 @@ class TensorParallelRunner:
             p.start()
             self.workers.append(p)
         keys = [f"joined/{r}" for r in range(1, size)]
-        while not store.check(keys):  # a worker that dies while starting fails the engine here
-            for rank, p in enumerate(self.workers, start=1):
-                if not p.is_alive():
-                    self._stop_workers(grace=0.0)
-                    raise WorkerFailedError(f"tensor-parallel worker rank {rank} exited with code {p.exitcode} "
-                                            "while starting")
-            time.sleep(0.02)
-        tp = init_tensor_parallel(0, size, device, store)
-        threading.Thread(target=self._monitor, name="specloop-tp-monitor", daemon=True).start()
-        return tp
+        try:
+            while not store.check(keys):  # a worker that dies while starting fails the engine here
+                for rank, p in enumerate(self.workers, start=1):
+                    if not p.is_alive():
+                        raise WorkerFailedError(f"tensor-parallel worker rank {rank} exited with code "
+                                                f"{p.exitcode} while starting")
+                time.sleep(0.02)
+            return init_tensor_parallel(0, size, device, store)
+        except BaseException:
+            self._stop_workers(grace=0.0)
+            raise
 
     def _monitor(self) -> None:
         ranks = {p.sentinel: (rank, p) for rank, p in enumerate(self.workers, start=1)}
@@ -188,6 +191,7 @@ class TensorParallelRunner:
         self.failure = f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         logger.error("%s; the engine cannot continue", self.failure)
         self._stop_workers(grace=0.0)
+        abort_tensor_parallel(self.tp)  # a step waiting on the dead rank returns now
 
     def _stop_workers(self, grace: float) -> None:
         """Wait ``grace`` seconds for the workers to exit, then terminate (and at last kill) them."""

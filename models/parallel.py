@@ -97,6 +97,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: Any 
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     if store is not None:
         kwargs.update(store=store, rank=rank, world_size=size)
@@ -106,7 +108,23 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, store: Any 
                            f"expected rank {rank} of {size} (tensor_parallel_size)")
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=3650))
+    if device.type == "cuda":  # create the NCCL communicator now, never inside a CUDA-graph capture
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     return TensorParallel(rank, size, group, cpu_group)
+
+
+def abort_tensor_parallel(tp: TensorParallel) -> None:
+    """Make the device collectives in flight fail now. Gloo fails them by itself when a peer's
+    connection closes; NCCL would wait for a dead peer until its watchdog's timeout, so its
+    communicators are aborted (torch's experimental ``_abort_process_group``, where it exists)."""
+    import torch.distributed as dist
+
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if tp.size > 1 and dist.is_initialized() and dist.get_backend(tp.group) == "nccl" and abort is not None:
+        try:
+            abort(tp.group)
+        except (RuntimeError, ValueError):
+            pass
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
@@ -114,7 +132,10 @@ def destroy_tensor_parallel(tp: TensorParallel) -> None:
     import torch.distributed as dist
 
     if tp.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):  # already aborted after a failure
+            pass
 
 
 # --- which rows of a full tensor a rank holds -------------------------------------------------------
