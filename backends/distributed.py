@@ -70,7 +70,7 @@ class WorkerFailedError(RuntimeError):
 def launch_model_runner(config: EngineConfig, plugins: PluginManager, platform: Platform
                         ) -> ModelRunner | TensorParallelRunner:
     """The runner for ``config``: one process, or rank 0 of ``tensor_parallel_size`` ranks."""
-    if config.tensor_parallel_size == 1 and torchrun_rank() is None:
+    if config.tensor_parallel_size == 1:
         return ModelRunner(config, plugins, platform)
     return TensorParallelRunner(config, plugins, platform)
 

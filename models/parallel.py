@@ -229,7 +229,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return F.linear(x, self.weight, self.bias)  # nn.Linear's forward
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -252,7 +252,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(input_ids)
+            return F.embedding(input_ids, self.weight)  # nn.Embedding's forward (no padding_idx, max_norm)
         local = input_ids - self.shard.start
         foreign = (local < 0) | (local >= self.shard.size)
         out = F.embedding(local.masked_fill(foreign, 0), self.weight)
@@ -276,7 +276,7 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(hidden)
+            return F.linear(hidden, self.weight)  # nn.Linear's forward
         return self.tp.all_gather(F.linear(hidden, self.weight))[..., :self.vocab_size]
 
     def load(self, name: str, source: CheckpointSource, part: int | None) -> None:
