@@ -51,6 +51,7 @@ from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from specloop.kernel.plugins import PluginManager
 from specloop.models.loader import resolve_device
+from specloop.models.ops import Ops
 from specloop.models.parallel import (TensorParallel, abort_tensor_parallel, destroy_tensor_parallel,
                                       init_tensor_parallel)
 
@@ -89,7 +90,7 @@ class TensorParallelPlatform:
         self.tp = tp
         self.default_attention_backend = inner.default_attention_backend
 
-    def ops(self, config: EngineConfig) -> Any:
+    def ops(self, config: EngineConfig) -> Ops:
         return self.inner.ops(config)
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
@@ -289,22 +290,23 @@ def serve_worker(tp: TensorParallel, device: str) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s specloop-tp{tp.rank}: %(message)s")
     runner: ModelRunner | None = None
     try:
+        kind, *args = tp.broadcast_object()
+        if kind == "shutdown":  # rank 0 failed before it could build anything
+            return 0
+        config, platform = args  # "build" comes first
+        config.device = device
+        runner = ModelRunner(config, PluginManager(disable=config.disable_plugins),
+                             TensorParallelPlatform(platform, tp), tp=tp)
         while True:
             kind, *args = tp.broadcast_object()
             if kind == "step":
                 runner.execute_model(args[0])
                 runner.sample_tokens()
                 runner.take_draft_token_ids()
-            elif kind == "build":
-                config, platform = args
-                config.device = device
-                plugins = PluginManager(disable=config.disable_plugins)
-                runner = ModelRunner(config, plugins, TensorParallelPlatform(platform, tp), tp=tp)
-            elif kind == "initialize":
-                resolved: EngineConfig = args[0]
+            elif kind == "initialize":  # rank 0's config, resolved by its engine; the device stays ours
                 for f in dataclasses.fields(EngineConfig):
                     if f.name != "device":
-                        setattr(runner.config, f.name, getattr(resolved, f.name))
+                        setattr(runner.config, f.name, getattr(args[0], f.name))
                 runner.initialize()
             elif kind == "shutdown":
                 return 0
