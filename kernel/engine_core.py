@@ -45,13 +45,17 @@ class EngineCore:
         if runner is None:
             runner = self.plugins.model_runners.create(self._runner_name(), config=config, plugins=self.plugins)
         self.runner = runner
-        config.resolve(runner.model_max_len)
-        num_blocks = runner.initialize()
-        config.num_kv_blocks = num_blocks
-        self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
-                                                             num_blocks=num_blocks)
-        self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
-                                                                   kv_cache=self.kv_cache)
+        try:
+            config.resolve(runner.model_max_len)
+            num_blocks = runner.initialize()
+            config.num_kv_blocks = num_blocks
+            self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
+                                                                 num_blocks=num_blocks)
+            self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
+                                                                       kv_cache=self.kv_cache)
+        except BaseException:
+            runner.shutdown()  # it may hold devices and worker processes
+            raise
         self.step_id = 0
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)

@@ -15,9 +15,12 @@ import torch
 from hf_models import build, prompts, tiny
 
 from specloop.backends.distributed import WorkerFailedError
+from specloop.backends.scripted import ScriptedModelRunner
 from specloop.backends.shared_tokens import BroadcastSampledTokens, ReceiveSampledTokens
 from specloop.backends.sampling_stage import SampleResult
 from specloop.frontend.llm import LLM
+from specloop.kernel.config import EngineConfig
+from specloop.kernel.engine_core import EngineCore
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.models import loader
@@ -151,6 +154,21 @@ def test_the_other_ranks_adopt_rank_zeros_tokens() -> None:
     sent = BroadcastSampledTokens(Stage(), _Host(0)).sample(Batch(), None, {}, {})
     got = ReceiveSampledTokens(None, _Host(1)).sample(Batch(), None, {}, {})
     assert got.sampled == sent.sampled == [[], [5, 6], [7]]
+
+
+def test_an_engine_that_fails_to_build_shuts_its_runner_down() -> None:
+    """A tensor-parallel runner holds worker processes and the process's group: a config error
+    found after it was built (here, a KV cache too small for one sequence) must release them."""
+    class Runner(ScriptedModelRunner):
+        closed = False
+
+        def shutdown(self) -> None:
+            Runner.closed = True
+
+    config = EngineConfig(model_runner="scripted", num_kv_blocks=4, max_model_len=512)
+    with pytest.raises(ValueError, match="cannot hold one max_model_len"):
+        EngineCore(config, PluginManager(load_entrypoints=False), runner=Runner(config))
+    assert Runner.closed
 
 
 def test_a_killed_worker_fails_the_engine_at_once(shutdown: Any) -> None:
