@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,15 +45,11 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
-        import torch.distributed as dist
-
         dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dim, in rank order."""
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -61,24 +58,18 @@ class TensorParallel:
         """The smallest of the ranks' ``value`` (e.g. KV blocks each rank's memory allows)."""
         if self.size == 1:
             return value
-        import torch.distributed as dist
-
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (pickled over the host group)."""
-        import torch.distributed as dist
-
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def broadcast_ints(self, values: torch.Tensor) -> torch.Tensor:
         """Rank 0's int64 host tensor, in place, on every rank (the others pass one of its size)."""
-        import torch.distributed as dist
-
         dist.broadcast(values, src=0, group=self.cpu_group)
         return values
 
@@ -86,23 +77,20 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, store: Any = None,
-                         timeout: datetime.timedelta | None = None) -> TensorParallel:
+def init_tensor_parallel(rank: int, size: int, device: torch.device, store: Any = None) -> TensorParallel:
     """Join the process group of ``size`` ranks (through ``store``, or torchrun's environment
     when None) and return this process's :class:`TensorParallel`.
 
     The group is the process's default torch.distributed group: NCCL on CUDA, gloo otherwise; a
     second, gloo group carries host objects and waits without a deadline, since a worker may wait
     for the next plan as long as the engine stays idle."""
-    import torch.distributed as dist
-
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     if store is not None:
-        kwargs.update(store=store, rank=rank, world_size=size)
-    dist.init_process_group(backend, **kwargs)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size)
+    else:
+        dist.init_process_group(backend)
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise RuntimeError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}; "
                            f"expected rank {rank} of {size} (tensor_parallel_size)")
@@ -117,8 +105,6 @@ def abort_tensor_parallel(tp: TensorParallel) -> None:
     """Make the device collectives in flight fail now. Gloo fails them by itself when a peer's
     connection closes; NCCL would wait for a dead peer until its watchdog's timeout, so its
     communicators are aborted (torch's experimental ``_abort_process_group``, where it exists)."""
-    import torch.distributed as dist
-
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if tp.size > 1 and dist.is_initialized() and dist.get_backend(tp.group) == "nccl" and abort is not None:
         try:
@@ -129,8 +115,6 @@ def abort_tensor_parallel(tp: TensorParallel) -> None:
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
     """Leave the process group (so that the process may join another later)."""
-    import torch.distributed as dist
-
     if tp.size > 1 and dist.is_initialized():
         try:
             dist.destroy_process_group()
