@@ -48,7 +48,8 @@ for s in $stages; do
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
              --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ;;
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
-    tp) stage tensor_parallel "${T_TP:-540}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
+    tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
+        stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;
     dp) stage data_parallel "${T_DP:-400}" python3 benchmarks/distributed.py --out "$RES/dp" --ckpt-root "$CKPT" \
              --runs "" --dp "${DP_SIZES:-1,2}" ;;

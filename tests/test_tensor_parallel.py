@@ -186,3 +186,21 @@ def test_a_killed_worker_fails_the_engine_at_once(shutdown: Any) -> None:
     start = time.monotonic()
     llm.engine_core.shutdown()
     assert time.monotonic() - start < 5 and not worker.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_match_one_through_cuda_graphs(shutdown: Any) -> None:
+    """The ``"gpu"`` runner on two GPUs (NCCL, Triton kernels, the all-reduces captured in the
+    decode graphs), float32: the tokens of one GPU."""
+    model = tiny("qwen3")
+    engine = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=128, skip_tokenizer_init=True)
+    batch = prompts(8, seed=5, max_len=24)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    one = LLM(model.path, **engine)
+    expected = tokens(one, batch, greedy)
+    one.engine_core.shutdown()
+    two = LLM(model.path, **engine, tensor_parallel_size=2)
+    shutdown(two)
+    assert tokens(two, batch, greedy) == expected == [model.greedy(p, 16) for p in batch]
+    assert two.engine_core.runner.local.parts.executor.num_replays > 0
