@@ -7,6 +7,7 @@ Imports stay lazy so ``specloop --help`` never loads torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -71,6 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plugins":
         return _cmd_plugins(args)
+    if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+        # torchrun started this process as a tensor-parallel rank > 0: it serves rank 0's engine.
+        from specloop.backends.distributed import run_torchrun_worker
+        from specloop.kernel.config import EngineConfig
+
+        return run_torchrun_worker(EngineConfig(**engine_kwargs(args)))
     if args.command == "generate":
         from specloop.frontend.terminal import run_generate
 

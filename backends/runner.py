@@ -29,6 +29,7 @@ from specloop.models.attention import AttentionBackend
 from specloop.models.config import ModelConfig
 from specloop.models.loader import load_model, resolve_device
 from specloop.models.ops import TORCH_OPS, Ops
+from specloop.models.parallel import SINGLE, TensorParallel
 from specloop.proposers.base import ProposerContext
 
 from . import kv_memory
@@ -126,15 +127,17 @@ class ExecutedStep:
 class ModelRunner:
     """Runs a Hugging Face-format checkpoint; implements :class:`specloop.kernel.protocols.ModelRunner`."""
 
-    def __init__(self, config: EngineConfig, plugins: PluginManager, platform: Platform) -> None:
+    def __init__(self, config: EngineConfig, plugins: PluginManager, platform: Platform,
+                 tp: TensorParallel = SINGLE) -> None:
         if not config.model:
             raise ValueError("the model runner needs a model: pass model=PATH to a local Hugging Face-format "
                              "directory")
         self.config = config
         self.plugins = plugins
         self.platform = platform
+        self.tp = tp  # this runner's rank of a tensor-parallel group (backends.distributed), or the only one
         self.device = resolve_device(config.device)
-        self.model, self.model_config = load_model(config.model, plugins.models, self.device, config.dtype)
+        self.model, self.model_config = load_model(config.model, plugins.models, self.device, config.dtype, tp)
         self.dtype: torch.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model_config.vocab_size
         mc: ModelConfig = self.model_config
@@ -174,7 +177,7 @@ class ModelRunner:
                                vocab_size=self.vocab_size, block_size=self.block_size, models=self.plugins.models,
                                attention_backend=self._new_attention_backend, ops=self.ops,
                                embed_tokens=model.embed_tokens, lm_head=model.compute_logits, target=model,
-                               proposers=self.plugins.proposers)
+                               proposers=self.plugins.proposers, tp=self.tp)
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -197,7 +200,9 @@ class ModelRunner:
             scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
             executor.profile(n, min(n, c.max_num_seqs), scratch, self.block_size, self.device)
 
-        num_blocks = kv_memory.num_kv_blocks(c, self.device, self.kv_bytes_per_block(), self.block_size, profile)
+        # Every rank's cache holds the same blocks: the scheduler on rank 0 hands out block ids for all.
+        num_blocks = self.tp.agree_min(kv_memory.num_kv_blocks(c, self.device, self.kv_bytes_per_block(),
+                                                               self.block_size, profile))
         mc = self.model_config
         shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         executor.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
@@ -358,13 +363,7 @@ class ModelRunner:
         self.executed = None
 
 
-def torch_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
-    """The ``"torch"`` runner: the reference parts, any torch device."""
-    return ModelRunner(config, plugins, TorchPlatform())
-
-
 def auto_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
     """The default: the ``"gpu"`` runner when the device is CUDA, else the ``"torch"`` runner."""
-    if resolve_device(config.device).type == "cuda":
-        return plugins.model_runners.create("gpu", config=config, plugins=plugins)
-    return torch_model_runner(config, plugins)
+    name = "gpu" if resolve_device(config.device).type == "cuda" else "torch"
+    return plugins.model_runners.create(name, config=config, plugins=plugins)

@@ -69,8 +69,12 @@ class SamplingStage:
         return SampleResult(sampled, logprobs, self.prompt_logprobs(batch, logits, requests))
 
     def logits(self, batch: InputBatch, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 logits of ``batch.logits_indices``' rows, in that order."""
+        """float32 logits of ``batch.logits_indices``' rows, in that order. A step with no such
+        row (only partial prefills) never calls the head: under tensor parallelism every rank
+        must make the same calls, and the GPU stage skips it then too."""
         pre = batch.precomputed_logits  # every token row's, when a CUDA graph computed them
+        if batch.logits_indices.shape[0] == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if pre is None:
             return compute_logits(self.model, hidden_states[batch.logits_indices])
         return pre if batch.logits_indices.shape[0] == batch.num_tokens else pre.index_select(0, batch.logits_indices)

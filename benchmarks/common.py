@@ -41,6 +41,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                               intermediate_size=3072, num_hidden_layers=1, num_attention_heads=16,
                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                               rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960),
+    # Run with fewer layers (benchmarks/distributed.py, ``llama3-70b:10``): 80 of them are 141 GB.
+    "llama3-70b": dict(config_class="LlamaConfig", architecture="LlamaForCausalLM", hidden_size=8192,
+                       intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       head_dim=128, vocab_size=128256, tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5,
+                       max_position_embeddings=8192),
     # A few-layer stand-in with the same per-layer shapes, for trying the scripts on a CPU.
     "tiny": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,

@@ -4,7 +4,10 @@
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
 # (stages: tests offline decode decode8b prefill breakdown; the commit is passed in because the
-# tree reaches the GPU machine without .git).
+# tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
+# name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
+# 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
+# skipped, and TP_RUNS / DP_SIZES pick fewer runs to fit one call's time.
 set -u
 OUT=${OUT:-out/suite}
 RES=${RES:-/tmp/specloop-results}
@@ -56,6 +59,11 @@ for s in $stages; do
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
              --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ;;
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
+    tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
+        stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
+             --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;
+    dp) stage data_parallel "${T_DP:-400}" python3 benchmarks/distributed.py --out "$RES/dp" --ckpt-root "$CKPT" \
+             --runs "" --dp "${DP_SIZES:-1,2}" ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
   esac

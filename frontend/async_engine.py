@@ -75,11 +75,15 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self.async_core.is_running
+        return self.async_core.is_running and self.errored is None
 
     @property
     def errored(self) -> BaseException | None:
-        return self.async_core.errored
+        """What stopped the engine: its busy loop's error, or its runner's ``failure`` (a
+        tensor-parallel worker that died, seen at once even while the engine is idle)."""
+        core = self.core
+        failure = getattr(core.runner, "failure", None) if core is not None else None
+        return self.async_core.errored or (EngineDeadError(failure) if failure else None)
 
     async def start(self) -> None:
         """Start the busy loop on the running event loop; calling it again does nothing."""

@@ -65,6 +65,9 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
     """Resolve the model and tokenizer directories, load the tokenizer, resolve the EOS ids, then
     build the core (which loads the model) and the input processor. ``start_core(config)``, when
     given, starts the core elsewhere instead and returns the resolved config and vocabulary size."""
+    if config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 runs several engines behind a router: use `specloop serve "
+                         "--data-parallel-size N` or frontend.data_parallel.DataParallelEngine")
     plugins = plugins or PluginManager(disable=config.disable_plugins)
     if config.model is not None or _runner_requires_model(config, plugins):
         config.model = resolve_model(config.model)

@@ -18,6 +18,7 @@ only through the owner's temporary directory. ``EngineProcessClient`` has the in
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -42,8 +43,21 @@ logger = logging.getLogger("specloop")
 PARENT_CHECK_MS = 1000
 
 
-def _send(sock: zmq.Socket, kind: str, payload: Any) -> Any:
-    return sock.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+def _send(sock: zmq.Socket, kind: str, payload: Any) -> bool:
+    """Queue one message; False when nobody is connected at the other end (it went away). The
+    sockets queue without limit (``SNDHWM`` 0), so only a missing peer can make a send wait."""
+    try:
+        sock.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        return False
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
 
 
 def run_engine_core(config: EngineConfig, inputs: str, outputs: str) -> None:
@@ -52,9 +66,9 @@ def run_engine_core(config: EngineConfig, inputs: str, outputs: str) -> None:
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
+    pull = _socket(ctx, zmq.PULL)
     pull.connect(inputs)
-    push = ctx.socket(zmq.PUSH)
+    push = _socket(ctx, zmq.PUSH)
     push.connect(outputs)
     parent = os.getppid()
     try:
@@ -70,6 +84,10 @@ def run_engine_core(config: EngineConfig, inputs: str, outputs: str) -> None:
             if idle and not pull.poll(PARENT_CHECK_MS):
                 if os.getppid() != parent:
                     break  # the API process is gone
+                failure = getattr(core.runner, "failure", None)  # e.g. a tensor-parallel worker died
+                if failure:
+                    _send(push, "error", str(failure))
+                    break
                 continue
             stop = False
             while pull.poll(0):
@@ -86,7 +104,8 @@ def run_engine_core(config: EngineConfig, inputs: str, outputs: str) -> None:
             if core.has_unfinished_requests():
                 out = core.step()
                 core.post_step()
-                _send(push, "outputs", out)
+                if not _send(push, "outputs", out):
+                    break  # the API process is gone
     except Exception as e:
         logger.exception("engine step failed; the engine is now dead")
         _send(push, "error", f"engine error: {e!r}")
@@ -108,14 +127,16 @@ class EngineProcessClient:
         os.chmod(self._dir, 0o700)
         inputs, outputs = f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs"
         self._ctx = zmq.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
+        self._push = _socket(self._ctx, zmq.PUSH)
         self._push.bind(inputs)
-        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull = _socket(self._ctx, zmq.PULL)
         self._pull.bind(outputs)
         mp = multiprocessing.get_context("spawn")
-        self.process = mp.Process(target=run_engine_core, args=(config, inputs, outputs), name="specloop-engine",
-                                  daemon=True)
+        # Not a daemon: it may start processes of its own (tensor-parallel workers). It exits on a
+        # shutdown message, when this process goes away, or at this interpreter's exit (below).
+        self.process = mp.Process(target=run_engine_core, args=(config, inputs, outputs), name="specloop-engine")
         self.process.start()
+        atexit.register(self._stop_at_exit)
         self.config, self.vocab_size = self._wait_ready(startup_timeout_s)
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,7 +181,9 @@ class EngineProcessClient:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         queue = queue if queue is not None else asyncio.Queue()
         self._queues[request.request_id] = queue  # before the request leaves this process
-        _send(self._push, "add", [request])
+        if not _send(self._push, "add", [request]):
+            self._die("the engine process is not reading its input")
+            raise EngineDeadError("the engine process is not reading its input")
         return queue
 
     def abort(self, request_ids: str | list[str]) -> None:
@@ -173,14 +196,21 @@ class EngineProcessClient:
     async def shutdown(self) -> None:
         self._stopping = True
         if self.process.is_alive():
-            _send(self._push, "shutdown", None)
-            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 30)
+            _send(self._push, "shutdown", None)  # not delivered if it stopped reading: then the join times out
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 30 if self.errored is None else 5)
             if self.process.is_alive():
                 self.process.kill()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
         self._fail_all("engine shut down", FinishReason.ABORT)
         self._close()
+
+    def _stop_at_exit(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.kill()
 
     # --- outputs ----------------------------------------------------------------------------------
 

@@ -87,13 +87,17 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     enforce_eager: bool = False
+    # Ranks that split each layer's weights (one process each; spawned, or started by torchrun).
+    tensor_parallel_size: int = 1
+    # Engine replicas behind one endpoint (the frontend's router; each replica tensor_parallel_size ranks).
+    data_parallel_size: int = 1
     disable_plugins: tuple[str, ...] = ()
     # Free-form options for third-party components, read by name.
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -54,17 +54,21 @@ class EngineCore:
             runner = self.plugins.model_runners.create(config.model_runner or "auto", config=config,
                                                        plugins=self.plugins)
         self.runner = runner
-        config.resolve(runner.model_max_len)
-        num_blocks = runner.initialize()
-        config.num_kv_blocks = num_blocks
-        config.async_scheduling = bool(getattr(runner, "async_scheduling", False))
+        try:
+            config.resolve(runner.model_max_len)
+            num_blocks = runner.initialize()
+            config.num_kv_blocks = num_blocks
+            config.async_scheduling = bool(getattr(runner, "async_scheduling", False))
+            self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
+                                                                 num_blocks=num_blocks)
+            self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
+                                                                       kv_cache=self.kv_cache)
+        except BaseException:
+            runner.shutdown()  # it may hold devices and worker processes
+            raise
         # Launched plans not yet committed, oldest first (at most two with asynchronous scheduling).
         self.in_flight: collections.deque[tuple[SchedulerOutput, ModelRunnerOutput | PendingOutput]] = \
             collections.deque()
-        self.kv_cache = self.plugins.kv_cache_policies.create(config.kv_cache_policy, config=config,
-                                                             num_blocks=num_blocks)
-        self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
-                                                                   kv_cache=self.kv_cache)
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)
 

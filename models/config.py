@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -51,6 +51,27 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     hf: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the raw config.json
+
+    def per_rank(self, tensor_parallel_size: int) -> ModelConfig:
+        """The shape one of ``tensor_parallel_size`` ranks holds: its share of the query heads, of
+        the KV heads (one, replicated, when there are fewer KV heads than ranks) and of the MLP;
+        hidden size and vocabulary stay whole (the logits are gathered). Raises
+        :class:`ModelLoadError` when the model does not split that way."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return self
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"num_attention_heads ({self.num_heads}) is not a multiple of it")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            problems.append(f"num_key_value_heads ({self.num_kv_heads}) is neither a multiple nor a divisor of it")
+        if self.intermediate_size % tp:
+            problems.append(f"intermediate_size ({self.intermediate_size}) is not a multiple of it")
+        if problems:
+            raise ModelLoadError(f"{self.architecture} cannot be split over tensor_parallel_size={tp}: "
+                                 f"{'; '.join(problems)}")
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
+                       intermediate_size=self.intermediate_size // tp)
 
     def kv_bytes_per_block(self, block_size: int, dtype_size: int) -> int:
         """Bytes one paged-KV block takes across all layers (K and V)."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .config import RopeConfig
+from .parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, even_shard
 
 
 class _SiluAndMul(Protocol):
@@ -93,13 +94,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with the gate and up projections fused into one matmul."""
+    """SwiGLU feed-forward with the gate and up projections fused into one matmul; under tensor
+    parallelism each rank holds its slice of gate and of up, and ``down_proj`` sums the slices."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        shard = even_shard(intermediate_size, tp)
+        self.intermediate_size = shard.size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, (shard, shard), bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp=tp)
 
     def forward(self, x: torch.Tensor, ops: _SiluAndMul) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

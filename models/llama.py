@@ -17,6 +17,8 @@ from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .parallel import (SINGLE, CheckpointSource, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                       TensorParallel, VocabParallelEmbedding, head_shard, load_parameter)
 
 if TYPE_CHECKING:
     from .context import ForwardContext
@@ -26,16 +28,20 @@ DEFAULT_MAX_POSITIONS = 32768
 
 
 class Attention(nn.Module):
+    """Grouped-query attention over this rank's heads (all of them at tensor-parallel size 1)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        q = head_shard(cfg.num_heads, cfg.head_dim, tp)
+        kv = head_shard(cfg.num_kv_heads, cfg.head_dim, tp)
+        self.head_dim = cfg.head_dim
+        self.num_heads, self.num_kv_heads = q.size // cfg.head_dim, kv.size // cfg.head_dim
+        self.q_size, self.kv_size = q.size, kv.size
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q, kv, kv), bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(q.full, cfg.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.__dict__["rotary"] = rotary  # shared with the other layers, owned by the model
@@ -46,12 +52,12 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, mlp_bias: bool) -> None:
+                 qk_norm: bool, mlp_bias: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = Attention(cfg, layer_idx, rotary, qkv_bias, o_bias, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +74,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, ops), residual
 
 
-# HF checkpoint names of the projections that specloop stores fused: (fused, original, shard index).
-_FUSED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
-          ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+# HF checkpoint names of the projections that specloop stores fused: original -> (fused, part).
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,17 +86,20 @@ class LlamaForCausalLM(nn.Module):
     residual stream *entering* chosen layers (``aux_layers``; ``num_layers`` means the stream after
     the last layer, before the final norm) — EAGLE-3 reads three of them. ``compute_logits`` is
     applied by the caller only to the rows that need logits.
+
+    With ``tp`` (tensor parallelism) each rank builds its shard of the same model: its heads and MLP
+    slice, its rows of the vocabulary; the residual stream and the logits are whole on every rank.
     """
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         cfg = self.config = parse_hf_config(hf_config)
         flags = self.flags(hf_config)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings or DEFAULT_MAX_POSITIONS)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, **flags) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary, **flags, tp=tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -126,12 +135,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up on the way. Raises
-        :class:`ModelLoadError` naming any parameter the checkpoint lacks or any unexpected tensor."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointSource]]) -> None:
+        """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up on the way; under
+        tensor parallelism each parameter takes only its rank's slice. Raises
+        :class:`ModelLoadError` naming any parameter the checkpoint lacks, any unexpected tensor or
+        any tensor of the wrong shape."""
         if self.config.tie_word_embeddings:  # materialising from the meta device unties them
             self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
         filled: dict[str, set[int]] = {}
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -139,33 +151,22 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for fused, original, index in _FUSED:
+            target, part = name, None
+            for original, (fused, index) in _FUSED.items():
                 if f".{original}." in name:
-                    target, shard = name.replace(original, fused), index
+                    target, part = name.replace(original, fused), index
                     break
-            param = params.get(target)
-            if param is None:
+            if target not in params:
                 raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint for {self.config.architecture}")
-            with torch.no_grad():
-                dest = param if shard is None else self._shard(param, target, shard)
-                if dest.shape != tensor.shape:
-                    raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                         f"expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
-            filled.setdefault(target, set()).add(-1 if shard is None else shard)
-        expected = {n: ({-1} if not any(f".{f}." in n for f, _, _ in _FUSED)
-                        else {i for f, _, i in _FUSED if f".{f}." in n})
+            module, _, param = target.rpartition(".")
+            try:
+                load_parameter(modules[module], param, tensor, part)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"tensor {hf_name!r} {e}") from None
+            filled.setdefault(target, set()).add(-1 if part is None else part)
+        expected = {n: {i for f, i in _FUSED.values() if f".{f}." in n} or {-1}
                     for n in params if not (n == "lm_head.weight" and self.config.tie_word_embeddings)}
-        missing = sorted(n for n, shards in expected.items() if filled.get(n, set()) != shards)
+        missing = sorted(n for n, parts in expected.items() if filled.get(n, set()) != parts)
         if missing:
             raise ModelLoadError(f"the checkpoint lacks {len(missing)} tensor(s) of "
                                  f"{self.config.architecture}: {', '.join(missing[:5])}")
-
-    def _shard(self, param: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        if ".qkv_proj." in name:
-            cfg = self.config
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        return param.split(sizes, dim=0)[shard]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import json
 import os
 from typing import Any, Iterator
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, ModelLoadError, read_model_config
+from .parallel import SINGLE, TensorParallel
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -74,6 +76,30 @@ def iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[s
                 yield name, f.get_tensor(name)
 
 
+class LazyTensor:
+    """A tensor of an open safetensors file, read on demand: :meth:`narrow` reads only the rows (or
+    columns) asked for (``safe_open(...).get_slice``), so a tensor-parallel rank reads its shard of
+    each weight and nothing else."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+
+def iter_safetensors_lazy(files: list[str], device: torch.device) -> Iterator[tuple[str, LazyTensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                yield name, LazyTensor(f, name)
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -84,11 +110,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(path: str, models: Any, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto") -> tuple[nn.Module, ModelConfig]:
+def load_model(path: str, models: Any, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig]:
     """Build the architecture named in ``path/config.json`` from ``models`` (the plugin manager's
-    model registry) and fill it from the safetensors checkpoint. Returns (model in eval mode, its
-    :class:`ModelConfig`)."""
+    model registry) and fill it from the safetensors checkpoint. Returns (model in eval mode, the
+    :class:`ModelConfig` of what it holds).
+
+    With ``tp`` of size > 1 the model is this rank's shard (the architecture's class takes ``tp``),
+    the checkpoint is read slice by slice, and the config is :meth:`ModelConfig.per_rank`'s."""
     cfg = read_model_config(path)
     if cfg.architecture not in models:
         raise ModelLoadError(f"unsupported architecture {cfg.architecture!r} in {path}/config.json; "
@@ -96,12 +125,18 @@ def load_model(path: str, models: Any, device: str | torch.device = "auto",
     files = safetensors_files(path)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {}
+    if tp.size > 1:
+        cfg = cfg.per_rank(tp.size)
+        if "tp" not in inspect.signature(models.get(cfg.architecture)).parameters:
+            raise ModelLoadError(f"{cfg.architecture} does not support tensor parallelism")
+        kwargs["tp"] = tp
     # Build on the meta device so no time goes into random initialisation, then materialise.
     with torch.device("meta"), _default_dtype(dtype):
-        model = models.create(cfg.architecture, hf_config=cfg.hf)
+        model = models.create(cfg.architecture, hf_config=cfg.hf, **kwargs)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.load_weights(iter_safetensors(files, device))
+    model.load_weights(iter_safetensors_lazy(files, device) if tp.size > 1 else iter_safetensors(files, device))
     return model.eval().requires_grad_(False), cfg

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from specloop.models.attention import AttentionBackend
     from specloop.models.config import ModelConfig
     from specloop.models.ops import Ops
+    from specloop.models.parallel import TensorParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class ProposerContext:
     lm_head: Callable[[torch.Tensor], torch.Tensor]  # the target's hidden states -> logits
     target: Any = None  # the target ``nn.Module`` itself, for proposers that read more of it
     proposers: Registry | None = None  # the proposer registry, for proposers that wrap another
+    # The target's tensor-parallel rank: a proposer with a model of its own loads it sharded the same
+    # way (``load_model(..., tp=tp)``); it runs on every rank, on the same inputs.
+    tp: TensorParallel | None = None
 
 
 @dataclass(slots=True)

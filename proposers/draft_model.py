@@ -23,6 +23,7 @@ from specloop.kernel.config import EngineConfig
 from specloop.models.attention import AttentionMetadata
 from specloop.models.context import ForwardContext
 from specloop.models.loader import load_model
+from specloop.models.parallel import SINGLE
 from specloop.sampling import sampler as sampling
 from specloop.sampling.noise import exponential_race, position_key
 
@@ -44,7 +45,7 @@ class DraftModelProposer(Proposer):
             raise ValueError("speculative_config.method='draft_model' needs 'model' (a local checkpoint path)")
         self.device = context.device
         self.model, self.model_config = load_model(spec.model, context.models, self.device,
-                                                   spec.draft_dtype or context.dtype)
+                                                   spec.draft_dtype or context.dtype, context.tp or SINGLE)
         if self.model_config.vocab_size != context.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.model_config.vocab_size}) differs from the "
                              f"target's ({context.vocab_size}); it must share the target's tokenizer")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
-from specloop.frontend.async_engine import AsyncEngine
+from specloop.frontend.data_parallel import build_async_engine
 
 from .app import build_app
 from .state import ServerLimits, ServerState
@@ -94,8 +94,8 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
-        engine = AsyncEngine.from_engine_args(args.model_path, engine_process=getattr(args, "engine_process", True),
-                                              **engine_args)
+        engine = build_async_engine(args.model_path, engine_process=getattr(args, "engine_process", True),
+                                    **engine_args)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"specloop serve: error: {e}", file=sys.stderr)
         return 2

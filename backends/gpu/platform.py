@@ -18,6 +18,7 @@ from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.models.ops import TORCH_OPS, TRITON_OPS, Ops
 
+from ..distributed import TensorParallelRunner, launch_model_runner
 from ..executor import EagerExecutor
 from ..runner import ModelRunner, RunnerParts
 from ..sampling_stage import SamplingStage
@@ -69,5 +70,5 @@ class GpuPlatform:
             executor.capture()
 
 
-def gpu_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner:
-    return ModelRunner(config, plugins, GpuPlatform(config))
+def gpu_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner | TensorParallelRunner:
+    return launch_model_runner(config, plugins, GpuPlatform(config))
