@@ -91,6 +91,25 @@ class AttentionBackend(Protocol):
         """:meth:`forward` for a cache that already holds this step's K/V."""
 
 
+class LatentAttentionBackend(Protocol):
+    """What a backend adds for multi-head latent attention (DeepSeek's MLA), in its absorbed form:
+    every query head attends over one shared row per token, ``[c_kv | k_rope]`` (``latent_dim``
+    values), which serves as the key, and whose first ``kv_lora_rank`` values serve as the value."""
+
+    def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's latent cache."""
+
+    def forward_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write ``latent`` ([T, latent_dim]) at ``meta.slot_mapping``, then :meth:`attend_latent`."""
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``q_nope`` [T, H, kv_lora_rank] (W_UK already folded in) and ``q_rope`` [T, H, rope dim]
+        against each request's cached latents (causal as :meth:`AttentionBackend.forward`);
+        returns [T, H, kv_lora_rank], still to be multiplied by W_UV."""
+
+
 class TorchAttentionBackend:
     """Reference paged attention in plain PyTorch, one request at a time.
 
@@ -125,6 +144,30 @@ class TorchAttentionBackend:
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]
             values = value_cache[blocks].flatten(0, 1)[:seq_len]
             out[start:end] = _attend(q[start:end], keys, values, seq_len - (end - start), group, scale)
+        return out
+
+    def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, latent_dim)
+
+    def forward_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+        return self.attend_latent(q_nope, q_rope, kv_cache, meta, scale)
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        block_size, rank = kv_cache.shape[1], q_nope.shape[-1]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = torch.empty_like(q_nope)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+            rows = kv_cache[blocks].flatten(0, 1)[:seq_len, None, :]  # one "KV head" for every query head
+            out[start:end] = _attend(q[start:end], rows, rows[..., :rank], seq_len - (end - start), q.shape[1],
+                                     scale)
         return out
 
 

@@ -62,7 +62,7 @@ class DraftModelProposer(Proposer):
 
     def initialize(self, num_kv_blocks: int) -> None:
         mc = self.model_config
-        shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = mc.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:

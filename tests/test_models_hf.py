@@ -137,11 +137,11 @@ def test_errors_name_what_is_missing_or_unsupported(tmp_path: Any) -> None:
             json.dump({**hf, **changes}, f)
 
     write(architectures=["MistralForCausalLM"])
-    with pytest.raises(ModelLoadError, match="'MistralForCausalLM'.*supported: LlamaForCausalLM, "
-                                             "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ModelLoadError, match="'MistralForCausalLM'.*supported: DeepseekV2ForCausalLM, "
+                                             "DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(path, MODELS, "cpu", "auto")
     write(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0})
-    with pytest.raises(ModelLoadError, match="'longrope'.*supported: default, linear, llama3"):
+    with pytest.raises(ModelLoadError, match="'longrope'.*supported: default, linear, llama3, yarn"):
         read_model_config(path)
     write(hidden_act="gelu")
     with pytest.raises(ModelLoadError, match="hidden_act"):
