@@ -7,6 +7,7 @@ first so an unwritten element fails the comparison. Not collected by pytest (no 
 
 from __future__ import annotations
 
+import mla_moe_checks
 import torch
 
 from specloop.kernels.activation import silu_and_mul
@@ -250,7 +251,10 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     """Call every launcher with CPU tensors of the model shapes (qwen3-0.6b attention, bf16) and
     record each kernel launch as (kernel, arguments, launch options) instead of running it."""
     import specloop.kernels.activation as activation
+    import specloop.kernels.fused_moe as moe
     import specloop.kernels.kv_write as kv_write_mod
+    import specloop.kernels.mla_attention as mla
+    import specloop.kernels.mla_rope_cache as mla_rope
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -271,7 +275,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
-    modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling)
+    modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
+               moe)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -305,6 +310,18 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             activation.silu_and_mul(torch.randn(4, 6144, dtype=dtype))
             for w in (x[0, :128], None):
                 qk_rope.qk_rope_cache(qkv, 16, 8, torch.arange(4), cos, sin, kc, vc, torch.arange(4), w, w)
+            # DeepSeek-V3 (128 heads) and V2-Lite (16) MLA, V2-Lite's experts.
+            for heads in (128, 16):
+                qn, qr = torch.randn(4, heads, 512, dtype=dtype), torch.randn(4, heads, 64, dtype=dtype)
+                lat = torch.randn(8, 16, 576, dtype=dtype)
+                for max_q, splits in ((300, 1), (1, 1), (1, 8)):
+                    mla.mla_attention(qn, qr, lat, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, num_splits=splits)
+            mla_rope.mla_rope_cache(qr, torch.randn(4, 576, dtype=dtype), torch.arange(4), cos[:, :32], sin[:, :32],
+                                    torch.ones(512, dtype=dtype), 1e-6, lat, torch.arange(4))
+            for tokens in (4, 512):
+                moe.fused_moe(torch.randn(tokens, 2048, dtype=dtype), torch.randn(64, 2816, 2048, dtype=dtype),
+                              torch.randn(64, 2048, 1408, dtype=dtype), torch.rand(tokens, 6),
+                              torch.randint(0, 64, (tokens, 6)))
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))
@@ -343,6 +360,8 @@ def check_compiles_for_hopper() -> None:
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), f"{fn.__name__} produced no cubin"
+        # An H100/H200 block gets at most 227 KiB of shared memory; more fails only at launch.
+        assert compiled.metadata.shared <= 227 * 1024, f"{fn.__name__} needs {compiled.metadata.shared} bytes of smem"
 
 
 ALL_CHECKS = {
@@ -352,6 +371,7 @@ ALL_CHECKS = {
     "rotary": check_rotary,
     "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
+    **mla_moe_checks.CHECKS,
 }
 
 
