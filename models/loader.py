@@ -11,7 +11,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -65,13 +65,16 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], device: torch.device, keep: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` (only those whose name ``keep`` accepts: the others are not read)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -95,13 +98,18 @@ def load_model(path: str, models: Any, device: str | torch.device = "auto",
                              f"supported: {', '.join(sorted(models.names())) or 'none'}")
     files = safetensors_files(path)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    # Build on the meta device so no time goes into random initialisation, then materialise.
+    model = build_empty(lambda: models.create(cfg.architecture, hf_config=cfg.hf), device, resolve_dtype(dtype, device))
+    model.load_weights(iter_safetensors(files, device))
+    return model.eval().requires_grad_(False), cfg
+
+
+def build_empty(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``factory()`` built on the meta device (no time goes into random initialisation), then
+    materialised on ``device`` uninitialised, with the buffers no checkpoint holds recomputed."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = models.create(cfg.architecture, hf_config=cfg.hf)
+        model = factory()
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.load_weights(iter_safetensors(files, device))
-    return model.eval().requires_grad_(False), cfg
+    return model

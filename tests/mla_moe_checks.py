@@ -94,14 +94,15 @@ def check_mla_rope_cache(device: str, dtype: torch.dtype) -> None:
 
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                   ) -> torch.Tensor:
-    x, w13, w2 = x.double().cpu(), w13.double().cpu(), w2.double().cpu()
+    """Expert by expert in float64: the tokens that picked it, weighted by their routing weight."""
+    x, ids, weights = x.double().cpu(), ids.cpu(), weights.double().cpu()
     out = torch.zeros_like(x)
     inter = w2.shape[2]
-    for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            h = w13[e] @ x[t]
-            out[t] += float(weights[t, k]) * (w2[e] @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[token] @ w13[e].double().cpu().T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].double().cpu().T
+        out.index_add_(0, token, y * weights[token, slot, None])
     return out
 
 

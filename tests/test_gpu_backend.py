@@ -26,9 +26,20 @@ LARGE_ATTENTION_CASES = [
 ]
 
 
+# DeepSeek MLA at model shapes: V2-Lite (16 heads) and V3 (128), latent 512 + 64.
+LARGE_MLA_CASES = [
+    (16, 512, 64, 16, [1] * 7 + [300, 33], [1500, 20, 0, 700, 64, 1, 2047, 0, 129], 1),
+    (16, 512, 64, 16, [1, 1], [3000, 17], 8),
+    (128, 512, 64, 16, [2, 2, 2, 1], [900, 0, 31, 4000], 4),
+    (128, 512, 64, 64, [200], [24], 1),
+]
+# DeepSeek-V2-Lite's experts (64 of 1408, top 6, hidden 2048) at decode and prefill batch sizes.
+LARGE_MOE_CASES = [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (700, 2048, 1408, 64, 6)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul"])
+                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
 
@@ -36,6 +47,16 @@ def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_paged_attention_at_model_shapes(dtype: torch.dtype) -> None:
     kc.check_paged_attention("cuda", dtype, LARGE_ATTENTION_CASES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mla_attention_at_model_shapes(dtype: torch.dtype) -> None:
+    kc.ALL_CHECKS["mla_attention"]("cuda", dtype, LARGE_MLA_CASES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_moe_at_model_shapes(dtype: torch.dtype) -> None:
+    kc.ALL_CHECKS["fused_moe"]("cuda", dtype, LARGE_MOE_CASES)
 
 
 def test_gumbel_sample_follows_softmax_and_matches_torch_sampler() -> None:
