@@ -3,8 +3,8 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (stages: tests offline decode decode8b prefill breakdown; the commit is passed in because the
-# tree reaches the GPU machine without .git).
+# (stages: tests offline decode decode8b prefill breakdown deepseek; the commit is passed in because
+# the tree reaches the GPU machine without .git).
 set -u
 OUT=${OUT:-out/suite}
 RES=${RES:-/tmp/specloop-results}
@@ -40,14 +40,14 @@ stage() {  # stage NAME SECONDS CMD...
   pack
 }
 
-stages=${*:-tests offline decode prefill breakdown}
+stages=${*:-tests offline decode prefill breakdown deepseek}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv > "$RES/nvidia-smi.csv" 2>&1
 echo "${SPECLOOP_COMMIT:-$(git log -1 --format=%h 2>/dev/null)}" > "$RES/commit.txt"
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+    tests) stage gpu_tests "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
              tests/test_gpu_backend.py tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
              --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ;;
@@ -58,6 +58,12 @@ for s in $stages; do
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
+    deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers
+      stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT"
+      stage ds_decode "${T_DS_DECODE:-150}" python3 benchmarks/decode_latency.py --out "$RES/deepseek" \
+             --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256
+      stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \
+             --ckpt-root "$CKPT" --shape deepseek-v2-lite --peer-time-limit "${PEER_S:-40}" ;;
   esac
 done
 echo "=== done $(date +%T)"
