@@ -1,8 +1,9 @@
 """The routed experts of a mixture-of-experts layer as two grouped GEMMs.
 
 Each token picked ``top_k`` experts: ``T * top_k`` (token, expert) pairs. :func:`sort_by_expert`
-orders the pairs by expert and pads each expert's run to a multiple of ``BLOCK_M``, so every block
-of ``BLOCK_M`` sorted pairs belongs to one expert. :func:`_moe_gemm_kernel` then computes, per block,
+groups the pairs by expert (three small kernels: a rank within the expert by atomic counting, the
+experts' padded offsets, the scatter) and pads each expert's run to a multiple of ``BLOCK_M``, so
+every block of ``BLOCK_M`` sorted pairs belongs to one expert. :func:`_moe_gemm_kernel` then computes, per block,
 its rows against that expert's weight matrix: once for gate/up (rows gathered from the tokens,
 ``[pairs, 2I]``), once for down (rows are the pairs, each output scaled by its routing weight,
 ``[pairs, H]``); SiLU-and-mul runs between them and a sum over each token's ``top_k`` rows ends it.
@@ -56,30 +57,72 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+    # Each pair's place among its expert's pairs (in no particular order: a row's result does not
+    # depend on the rows it shares a tile with).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.store(rank_ptr + offs, tl.atomic_add(counts_ptr + expert, 1, mask=ok), mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, starts_ptr, sorted_ptr, block_expert_ptr, num_sorted_ptr, num_pairs, capacity,
+                    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ROWS: tl.constexpr, FILL: tl.constexpr):
+    e = tl.arange(0, EXPERTS_PAD)
+    ok = e < NUM_EXPERTS
+    padded = (tl.load(counts_ptr + e, mask=ok, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + e, ends - padded, mask=ok)
+    total = tl.sum(padded, 0)
+    tl.store(num_sorted_ptr, total)
+    for first in range(0, capacity // BLOCK_M, ROWS):  # each block's expert: how many experts end before it
+        block = first + tl.arange(0, ROWS)
+        start = block * BLOCK_M
+        expert = tl.sum(tl.where((ends[None, :] <= start[:, None]) & ok[None, :], 1, 0), 1)
+        tl.store(block_expert_ptr + block, tl.where(start < total, expert, -1), mask=start < capacity)
+    for first in range(0, capacity, FILL):  # padding entries name no pair
+        offs = first + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, num_pairs, mask=offs < capacity)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    place = tl.load(starts_ptr + expert, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
+    tl.store(sorted_ptr + place, offs, mask=ok)
+
+
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs sorted by expert, each expert's run padded to a multiple of ``block_m``.
+    """Pairs grouped by expert, each expert's run padded to a multiple of ``block_m``.
 
     :returns: ``sorted_pairs`` int32 ``[capacity]`` (pair index ``t * top_k + k``; padding holds
         ``T * top_k``), ``block_expert`` int32 ``[capacity // block_m]`` (the expert of each block,
         -1 past the end), ``num_sorted`` int32 ``[1]`` (padded length in use). ``capacity`` is the
         worst case, ``pairs + min(experts, pairs) * (block_m - 1)`` rounded up to ``block_m``.
     """
-    flat = topk_ids.reshape(-1).long()
+    flat = topk_ids.reshape(-1)
     pairs, device = flat.numel(), flat.device
     capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of]
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=device)
-    sorted_pairs[(padded_end - padded)[expert_of] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, capacity, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_sorted = torch.empty(1, dtype=torch.int32, device=device)
+    block = 1024
+    _rank_kernel[(triton.cdiv(pairs, block),)](flat, counts, rank, pairs, BLOCK=block)
+    experts_pad = triton.next_power_of_2(num_experts)
+    _offsets_kernel[(1,)](counts, starts, sorted_pairs, block_expert, num_sorted, pairs, capacity,
+                          NUM_EXPERTS=num_experts, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
+                          ROWS=max(1, 4096 // experts_pad), FILL=1024, num_warps=4)
+    _scatter_kernel[(triton.cdiv(pairs, block),)](flat, rank, starts, sorted_pairs, pairs, BLOCK=block)
+    return sorted_pairs, block_expert, num_sorted
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None, sorted_pairs: torch.Tensor,
@@ -101,15 +144,16 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Te
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows, then up rows); ``w2`` ``[E, H, I]``;
-    ``topk_weights`` float32 ``[T, top_k]``; ``topk_ids`` integer ``[T, top_k]``. Returns ``[T, H]``:
+    ``topk_weights`` float32 ``[T, top_k]``; ``topk_ids`` int32 ``[T, top_k]``. Returns ``[T, H]``:
     ``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with the per-pair products in float32."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2) or topk_weights.shape != topk_ids.shape:
+    shapes_ok = w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_i // 2)
+    if not shapes_ok or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and routing "
                          f"{tuple(topk_ids.shape)} disagree")
-    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous() or not topk_ids.is_contiguous():
         raise ValueError("x needs a unit last stride, the expert weights must be contiguous")
     if tokens == 0:
         return torch.zeros_like(x)

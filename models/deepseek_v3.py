@@ -20,7 +20,7 @@ from .config import ModelConfig, ModelLoadError, parse_hf_config
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
-from .moe import MoE, expert_weight_target
+from .moe import MoE, load_expert_weight
 from .weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -142,27 +142,22 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 def load_layer_weight(loader: WeightLoader, layer: DeepseekDecoderLayer, prefix: str, name: str, hf_name: str,
                       tensor: torch.Tensor) -> None:
     """One checkpoint tensor of a decoder layer (``name`` relative to the layer, ``prefix`` the
-    layer's parameter prefix): q_a / kv_a fused into ``qkv_a_proj`` when q is low-rank, rotary rows
-    de-interleaved, gate/up fused, per-expert tensors stacked into the fused expert tensors."""
+    layer's parameter prefix): q and kv_a fused into ``qkv_a_proj``, rotary rows de-interleaved,
+    gate/up fused, per-expert and shared-expert tensors stacked into the fused expert tensors."""
     attn = layer.self_attn
     if name.startswith("self_attn."):
         rel = name.removeprefix("self_attn.")
         if attn.rope_interleave:
             tensor = deinterleave_rope_rows(tensor, rel, attn)
-        target, shard = mla_weight_target(rel, attn.q_lora_rank is not None)
-        split = None if shard is None else [attn.q_lora_rank or 0, attn.kv_lora_rank + attn.qk_rope_head_dim]
+        target, shard = mla_weight_target(rel, attn)
+        split = None if shard is None else [attn.q_a_size, attn.kv_lora_rank + attn.qk_rope_head_dim]
         loader.copy(hf_name, f"{prefix}self_attn.{target}", None if shard is None else (shard,), tensor, split)
         return
-    if name.startswith("mlp.experts.") and isinstance(layer.mlp, MoE):
-        found = expert_weight_target(name.removeprefix("mlp.experts."), layer.mlp.config)
-        if found is None:
-            raise ModelLoadError(f"unexpected tensor {hf_name!r} in the checkpoint for {loader.architecture}")
-        param, index = found
-        split = [layer.mlp.experts.intermediate_size] * 2 if param == "w13" and index is not None else None
-        loader.copy(hf_name, f"{prefix}mlp.experts.{param}", index, tensor, split)
+    if isinstance(layer.mlp, MoE) and name.startswith("mlp.") and \
+            load_expert_weight(loader, layer.mlp, prefix + "mlp.", name.removeprefix("mlp."), hf_name, tensor):
         return
-    parts = name.rsplit(".", 2)  # e.g. ["mlp.shared_experts", "gate_proj", "weight"]
-    if len(parts) == 3 and parts[1] in _GATE_UP and parts[0] in ("mlp", "mlp.shared_experts"):
+    parts = name.rsplit(".", 2)  # e.g. ["mlp", "gate_proj", "weight"]
+    if len(parts) == 3 and parts[1] in _GATE_UP and parts[0] == "mlp":
         loader.copy(hf_name, f"{prefix}{parts[0]}.gate_up_proj.{parts[2]}", (_GATE_UP[parts[1]],), tensor,
                     [tensor.shape[0]] * 2)
         return

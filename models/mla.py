@@ -47,12 +47,16 @@ class MLAttention(nn.Module):
         self.scale = mla.softmax_scale(cfg.rope)
         self.rope_interleave = mla.rope_interleave  # the checkpoint's layout; applied at load time
         hidden, heads = cfg.hidden_size, cfg.num_heads
-        if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * self.qk_head_dim, bias=False)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        # q (or q's low-rank half) and the latent read the same input: one matmul, unless only the
+        # latent's projection has a bias.
+        self.q_a_size = mla.q_lora_rank or heads * self.qk_head_dim
+        self.fused_qkv_a = mla.q_lora_rank is not None or not bias
+        if self.fused_qkv_a:
+            self.qkv_a_proj = nn.Linear(hidden, self.q_a_size + mla.latent_dim, bias=bias)
         else:
-            # q_a_proj and kv_a_proj_with_mqa read the same input: one matmul.
-            self.qkv_a_proj = nn.Linear(hidden, mla.q_lora_rank + mla.latent_dim, bias=bias)
+            self.q_proj = nn.Linear(hidden, self.q_a_size, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        if mla.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.qk_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
@@ -73,23 +77,24 @@ class MLAttention(nn.Module):
         return w[:, self.qk_nope_head_dim:].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q, latent = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        if self.fused_qkv_a:
+            q, latent = self.qkv_a_proj(x).split([self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
         else:
-            q_a, latent = self.qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim],
-                                                   dim=-1)
+            q, latent = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
             norm = self.q_a_layernorm
-            q = self.q_b_proj(ctx.ops.rms_norm(q_a, norm.weight, norm.eps))
+            q = self.q_b_proj(ctx.ops.rms_norm(q, norm.weight, norm.eps))
         return self.o_proj(ctx.ops.mla_attention(self, q, latent, positions, ctx))
 
 
-def mla_weight_target(name: str, q_lora: bool) -> tuple[str, int | None]:
+def mla_weight_target(name: str, attn: MLAttention) -> tuple[str, int | None]:
     """Where the checkpoint tensor ``self_attn.<name>`` goes: (parameter name under ``self_attn.``,
     shard of the fused ``qkv_a_proj`` or None)."""
-    if q_lora and name.startswith("q_a_proj."):
-        return "qkv_a_proj." + name.removeprefix("q_a_proj."), 0
-    if q_lora and name.startswith("kv_a_proj_with_mqa."):
-        return "qkv_a_proj." + name.removeprefix("kv_a_proj_with_mqa."), 1
+    if attn.fused_qkv_a:
+        for shard, original in enumerate(("q_a_proj." if attn.q_lora_rank is not None else "q_proj.",
+                                          "kv_a_proj_with_mqa.")):
+            if name.startswith(original):
+                return "qkv_a_proj." + name.removeprefix(original), shard
     return name, None
 
 

@@ -1,12 +1,16 @@
-"""DeepSeek's mixture of experts: the router, the routed experts stored as fused tensors, and the
-shared experts.
+"""DeepSeek's mixture of experts: the router's weights and the experts, stored as fused tensors.
 
-The router scores every expert (a sigmoid for V3, a softmax for V2) in float32, picks ``top_k`` of
-them, optionally only among the best ``topk_group`` of ``n_group`` groups, and weighs each pick by
-its score (renormalised over the picks when ``norm_topk_prob``, times ``routed_scaling_factor``). V3's
-``e_score_correction_bias`` shifts the scores used to *pick* experts, never the weights. The routed
-experts are ``w13`` ``[E, 2I, H]`` (each expert's gate and up projections) and ``w2`` ``[E, H, I]``,
-run by the op set's ``fused_moe``; the shared experts are one dense gated MLP every token passes.
+The router scores every expert (``ops.moe_route``: a sigmoid for V3, a softmax for V2, in
+float32), picks ``top_k`` of them, optionally only among the best ``topk_group`` of ``n_group``
+groups, and weighs each pick by its score (renormalised over the picks when ``norm_topk_prob``,
+times ``routed_scaling_factor``). V3's ``e_score_correction_bias`` shifts the scores used to *pick*
+experts, never the weights.
+
+The routed experts are ``w13`` ``[E + S, 2I, H]`` (each expert's gate and up projections) and ``w2``
+``[E + S, H, I]``, run by ``ops.fused_moe``. The ``S`` shared experts (one MLP of ``S * I`` every
+token passes) are stored as the last ``S`` experts: a gated MLP split along its intermediate units
+is the sum of the pieces, so every token simply also picks experts ``E .. E + S - 1`` with weight 1,
+and one grouped GEMM pair computes the routed and the shared experts together.
 """
 
 from __future__ import annotations
@@ -18,32 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .layers import GatedMLP, _SiluAndMul
+from .weights import WeightLoader
 
 
-class _MoEOps(_SiluAndMul, Protocol):
+class _MoEOps(Protocol):
+    def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor: ...
-
-
-def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, H] -> (weights [T, top_k] float32, expert ids [T, top_k] int64). Device-side
-    only (no host synchronisation), so it runs inside CUDA graphs."""
-    logits = F.linear(x.float(), gate_weight.float())
-    scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
-    choice = scores + bias if bias is not None else scores
-    if moe.topk_method != "greedy" and moe.topk_groups < moe.num_groups:
-        grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if moe.topk_method == "noaux_tc" else grouped.amax(-1)
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(moe.topk_groups, dim=-1)[1], 1.0)
-        masked = grouped.masked_fill(keep[:, :, None] == 0, float("-inf") if moe.topk_method == "noaux_tc" else 0.0)
-        choice = masked.view(-1, moe.num_experts)
-    ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
 
 
 class Router(nn.Module):
@@ -60,7 +47,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
+        e, i = moe.num_experts + moe.num_shared_experts, moe.intermediate_size
         self.intermediate_size = i
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i))
@@ -72,29 +59,44 @@ class MoE(nn.Module):
         self.config = moe
         self.gate = Router(hidden_size, moe)
         self.experts = Experts(hidden_size, moe)
-        self.shared_experts = GatedMLP(hidden_size, moe.intermediate_size * moe.num_shared_experts) \
-            if moe.num_shared_experts else None
 
     def forward(self, x: torch.Tensor, ops: _MoEOps) -> torch.Tensor:
-        weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias, self.config)
-        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x, ops)
-        return out
+        logits = F.linear(x.float(), self.gate.weight)
+        weights, ids = ops.moe_route(logits, self.gate.e_score_correction_bias, self.config)
+        return ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
 
 
-def expert_weight_target(name: str, moe: MoEConfig) -> tuple[str, tuple[int, ...] | None] | None:
-    """Where the checkpoint tensor ``mlp.experts.<name>`` goes: (parameter under ``mlp.experts.``,
-    index into it or None for the whole tensor), for per-expert names (``{e}.gate_proj.weight``,
-    ``{e}.up_proj.weight``, ``{e}.down_proj.weight``) and the fused ones transformers keeps in memory
-    (``gate_up_proj``, ``down_proj``). None: not an expert tensor this model has."""
-    if name == "gate_up_proj":
-        return "w13", None
-    if name == "down_proj":
-        return "w2", None
-    expert, _, rest = name.partition(".")
-    if not expert.isdigit() or int(expert) >= moe.num_experts:
-        return None
-    e = int(expert)
-    return {"gate_proj.weight": ("w13", (e, 0)), "up_proj.weight": ("w13", (e, 1)),
-            "down_proj.weight": ("w2", (e,))}.get(rest)
+_EXPERT_PARTS = {"gate_proj.weight": ("w13", 0), "up_proj.weight": ("w13", 1), "down_proj.weight": ("w2", None)}
+
+
+def load_expert_weight(loader: WeightLoader, moe: MoE, prefix: str, name: str, hf_name: str, tensor: torch.Tensor
+                       ) -> bool:
+    """Copy ``mlp.<name>`` of a MoE layer if it is an expert tensor: per-expert names
+    (``experts.{e}.gate_proj.weight``, ...), the fused ones transformers keeps in memory
+    (``experts.gate_up_proj``, ``experts.down_proj``), or the shared experts' MLP
+    (``shared_experts.{gate,up,down}_proj.weight``). ``prefix`` is the MoE module's parameter prefix.
+    Returns False for any other tensor."""
+    cfg, experts = moe.config, moe.experts
+    e, s, i = cfg.num_experts, cfg.num_shared_experts, experts.intermediate_size
+    w13, w2 = f"{prefix}experts.w13", f"{prefix}experts.w2"
+    if name in ("experts.gate_up_proj", "experts.down_proj"):
+        target = w13 if name == "experts.gate_up_proj" else w2
+        loader.copy_to(hf_name, target, "routed", loader.params[target][:e], tensor)
+        return True
+    if name.startswith("shared_experts.") and name.removeprefix("shared_experts.") in _EXPERT_PARTS:
+        param, half = _EXPERT_PARTS[name.removeprefix("shared_experts.")]
+        if param == "w13":
+            dest = loader.params[w13][e:, half * i:(half + 1) * i]
+            loader.copy_to(hf_name, w13, ("shared", half), dest, tensor.view(s, i, -1))
+        else:  # [H, S * I]: expert e + k takes columns k * I .. (k + 1) * I
+            loader.copy_to(hf_name, w2, "shared", loader.params[w2][e:], tensor.view(tensor.shape[0], s, i)
+                           .permute(1, 0, 2))
+        return True
+    expert, _, rest = name.removeprefix("experts.").partition(".")
+    if not name.startswith("experts.") or not expert.isdigit() or int(expert) >= e or rest not in _EXPERT_PARTS:
+        return False
+    param, half = _EXPERT_PARTS[rest]
+    target = w13 if param == "w13" else w2
+    dest = loader.params[target][int(expert)]
+    loader.copy_to(hf_name, target, (int(expert), half), dest if half is None else dest[half * i:(half + 1) * i], tensor)
+    return True

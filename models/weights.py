@@ -4,7 +4,7 @@ loader wants: no unexpected tensor, no wrong shape, nothing left unfilled."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ class WeightLoader:
         self.architecture = architecture
         self.params = dict(module.named_parameters(remove_duplicate=False))
         self._filled: dict[str, int] = {}  # elements copied into each parameter
-        self._parts: set[tuple[str, tuple[int, ...] | None]] = set()
+        self._parts: set[tuple[str, Hashable]] = set()
 
     def copy(self, hf_name: str, target: str, index: tuple[int, ...] | None, tensor: torch.Tensor,
              split: Sequence[int] | None = None) -> None:
@@ -34,13 +34,18 @@ class WeightLoader:
                 dest = dest[i]
             if split is not None:
                 dest = dest.split(list(split), dim=0)[index[-1]]
+        self.copy_to(hf_name, target, index, dest, tensor)
+
+    def copy_to(self, hf_name: str, target: str, part: Hashable, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into ``dest``, a view of parameter ``target``; ``part`` names that view
+        (two tensors filling the same part are an error)."""
         if dest.shape != tensor.shape:
             raise ModelLoadError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        if (target, index) in self._parts:
+        if (target, part) in self._parts:
             raise ModelLoadError(f"tensor {hf_name!r} fills a part of {target} that another tensor filled")
         with torch.no_grad():
             dest.copy_(tensor)
-        self._parts.add((target, index))
+        self._parts.add((target, part))
         self._filled[target] = self._filled.get(target, 0) + dest.numel()
 
     def check_complete(self, skip: Collection[str] = ()) -> None:

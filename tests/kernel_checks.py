@@ -255,6 +255,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.kv_write as kv_write_mod
     import specloop.kernels.mla_attention as mla
     import specloop.kernels.mla_rope_cache as mla_rope
+    import specloop.kernels.moe_route as route
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -276,7 +277,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe)
+               moe, route)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -318,6 +319,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                     mla.mla_attention(qn, qr, lat, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, num_splits=splits)
             mla_rope.mla_rope_cache(qr, torch.randn(4, 576, dtype=dtype), torch.arange(4), cos[:, :32], sin[:, :32],
                                     torch.ones(512, dtype=dtype), 1e-6, lat, torch.arange(4))
+            route.moe_route(torch.randn(4, 256), torch.randn(256), 8, 1, num_groups=8, topk_groups=4)  # V3
+            route.moe_route(torch.randn(4, 64), None, 6, 2, softmax=True, renormalize=False)  # V2-Lite
             for tokens in (4, 512):
                 moe.fused_moe(torch.randn(tokens, 2048, dtype=dtype), torch.randn(64, 2816, 2048, dtype=dtype),
                               torch.randn(64, 2048, 1408, dtype=dtype), torch.rand(tokens, 6),

@@ -8,8 +8,11 @@ from __future__ import annotations
 import torch
 
 from specloop.kernels.fused_moe import fused_moe, sort_by_expert
+from specloop.kernels.moe_route import moe_route as moe_route_kernel
 from specloop.kernels.mla_attention import mla_attention
 from specloop.kernels.mla_rope_cache import mla_rope_cache
+from specloop.models.config import MoEConfig
+from specloop.models.ops import TorchOps
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -131,4 +134,43 @@ def check_fused_moe(device: str, dtype: torch.dtype, cases: list | None = None) 
         assert (expert == -1) == (b >= 4) and all(int(ids.view(-1)[p]) == expert for p in real), (b, expert, real)
 
 
-CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe}
+def reference_route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return TorchOps().moe_route(logits, bias, moe)
+
+
+def moe_config(experts: int, top_k: int, shared: int, scoring: str, method: str, groups: int, topk_groups: int,
+               renorm: bool, scale: float) -> MoEConfig:
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=8, num_shared_experts=shared,
+                     first_dense_layers=0, layer_freq=1, scoring=scoring, topk_method=method, num_groups=groups,
+                     topk_groups=topk_groups, norm_topk_prob=renorm, routed_scaling_factor=scale)
+
+
+ROUTE_CASES = [
+    moe_config(8, 2, 1, "sigmoid", "noaux_tc", 4, 2, True, 2.5),  # the tests' DeepSeek-V3
+    moe_config(256, 8, 1, "sigmoid", "noaux_tc", 8, 4, True, 2.5),  # DeepSeek-V3
+    moe_config(64, 6, 2, "softmax", "greedy", 1, 1, False, 1.0),  # DeepSeek-V2-Lite
+    moe_config(16, 3, 0, "softmax", "group_limited_greedy", 4, 2, True, 1.0),  # DeepSeek-V2
+]
+
+
+def check_moe_route(device: str, dtype: torch.dtype) -> None:
+    """The kernel picks the reference's experts (as sets) with the reference's weights."""
+    for moe in ROUTE_CASES:
+        logits = torch.randn(37, moe.num_experts) * 2
+        bias = torch.randn(moe.num_experts) * 0.3 if moe.topk_method == "noaux_tc" else None
+        want_w, want_ids = reference_route(logits, bias, moe)
+        to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        got_w, got_ids = (t.cpu() for t in moe_route_kernel(
+            to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+            num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
+            group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
+            scale=moe.routed_scaling_factor))
+        for t in range(logits.shape[0]):
+            want = dict(zip(want_ids[t].tolist(), want_w[t].tolist()))
+            got = dict(zip(got_ids[t].tolist(), got_w[t].tolist()))
+            assert want.keys() == got.keys(), (moe, t, sorted(want), sorted(got))
+            assert all(abs(want[k] - got[k]) < 1e-5 for k in want), (moe, t, want, got)
+
+
+CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe,
+          "moe_route": check_moe_route}

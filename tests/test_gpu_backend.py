@@ -1,8 +1,9 @@
 """The GPU backend on a CUDA device: every kernel against its torch reference in bf16 and float32
-at model shapes, and end-to-end greedy outputs of the ``"gpu"`` runner (Triton kernels, CUDA
-graphs) equal to the ``"torch"`` runner's on the same GPU, through chunked prefill, prefix-cache
-hits and preemption (in bf16: equal up to a first difference that must be a near-tie, see
-``runner_checks``). Skipped without CUDA."""
+at model shapes (DeepSeek's MLA and MoE included), and end-to-end greedy outputs of the ``"gpu"``
+runner (Triton kernels, CUDA graphs) equal to the ``"torch"`` runner's on the same GPU, through
+chunked prefill, prefix-cache hits and preemption, and with MTP drafts equal to without them (in
+bf16: equal up to a first difference that must be a near-tie, see ``runner_checks``). Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ LARGE_MOE_CASES = [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (700, 2048, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe"])
+                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
 
@@ -97,3 +98,30 @@ def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     for i, (prompt, got, want) in enumerate(zip(batch, outputs["gpu"], outputs["torch"])):
         rc.assert_same_or_near_tie(model.path, "cuda", dtype, prompt + list(got), prompt + list(want), f"prompt {i}")
     assert stats["num_preemptions"] > 0, "the KV cache was meant to be too small for every request"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str) -> None:
+    """The shipped DeepSeek-V3 model with its MTP layer (K = 3) on the gpu runner: drafts proposed
+    with the Triton MLA and MoE kernels, verified in CUDA graphs; the output equals the output
+    without drafts (in bf16 up to a near-tie)."""
+    from pathlib import Path
+
+    from specloop import LLM, SamplingParams
+
+    path = str(Path(__file__).resolve().parent.parent / "default_models" / "specloop-tiny-mtp")
+    batch = prompts(12, seed=9, min_len=8, max_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outputs = {}
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+        llm = LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, max_model_len=256, speculative_config=spec)
+        outputs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+        if spec is not None:
+            assert llm.get_metrics()["spec_acceptance_rate"] > 0.2
+            assert llm.engine_core.runner.parts.executor.num_replays > 0, "verification steps did not use CUDA graphs"
+        llm.engine_core.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    for i, (prompt, got, want) in enumerate(zip(batch, outputs[False], outputs[True])):
+        rc.assert_same_or_near_tie(path, "cuda", dtype, prompt + list(got), prompt + list(want), f"prompt {i}")
