@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
 # [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row.
@@ -53,15 +54,14 @@ class AttentionMetadata:
     def build(cls, query_start_loc: list[int], seq_lens: list[int], slot_mapping: Sequence[int],
               block_tables: Sequence[Sequence[int]], device: torch.device) -> AttentionMetadata:
         """From host lists: ``block_tables[i]`` is request ``i``'s block ids (rows are 0-padded)."""
-        table = torch.zeros(len(block_tables), max((len(b) for b in block_tables), default=1) or 1,
-                            dtype=torch.int32)
+        table = np.zeros((len(block_tables), max((len(b) for b in block_tables), default=1) or 1), dtype=np.int32)
         for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[i, :len(blocks)] = blocks
         return cls(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
-            block_tables=table.to(device, non_blocking=True),
+            block_tables=torch.from_numpy(table).to(device, non_blocking=True),
             max_query_len=max((query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))),
                               default=0),
             max_seq_len=max(seq_lens, default=0),

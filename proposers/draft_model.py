@@ -85,11 +85,13 @@ class DraftModelProposer(Proposer):
             tokens, q = sample_drafts(inputs, live, logits, drafts)
             for k, i in enumerate(live):
                 drafts[i].append(tokens[k])
-                probs[i].append(q[k])
+                if q is not None and not inputs.sampling_params[i].greedy:
+                    probs[i].append(q[k])
                 position = lengths[i] + step
                 feed[i] = (position, [tokens[k]])
         for i in active:
             self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
+        # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]

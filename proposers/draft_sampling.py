@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specloop.kernel.sampling_params import SamplingParams
 from specloop.sampling import sampler as sampling
 from specloop.sampling.noise import exponential_race, position_key
 
@@ -18,9 +19,12 @@ DRAFT_SEED_SALT = 0x5DEECE66D
 
 
 def sample_drafts(inputs: ProposerInputs, live: list[int], logits: torch.Tensor, drafts: list[list[int]]
-                  ) -> tuple[list[int], torch.Tensor]:
+                  ) -> tuple[list[int], torch.Tensor | None]:
     """Each live request's next draft from ``logits`` (row ``k`` is ``live[k]``'s; ``drafts[i]`` are
-    its drafts so far), and the distribution it was drawn from (one-hot for greedy requests)."""
+    its drafts so far), and the distributions they were drawn from (one-hot rows for greedy
+    requests; None when every request is greedy without logit processing: the argmax, no more)."""
+    if all(_plain_greedy(inputs.sampling_params[i]) for i in live):
+        return logits.argmax(dim=-1).tolist(), None
     rows = []
     for i in live:
         params = inputs.sampling_params[i]
@@ -37,3 +41,8 @@ def sample_drafts(inputs: ProposerInputs, live: list[int], logits: torch.Tensor,
         drawn = exponential_race(q, position_key(meta.seeds, meta.positions))
         tokens = torch.where(meta.greedy, tokens, drawn)
     return tokens.tolist(), q
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return (params.greedy and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and not params.logit_bias and params.min_tokens == 0)

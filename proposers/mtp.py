@@ -106,10 +106,10 @@ class MTPProposer(Proposer):
                 tokens, q = sample_drafts(inputs, live, logits, drafts)
                 for k, i in enumerate(live):
                     drafts[i].append(tokens[k])
-                    probs[i].append(q[k])
+                    if q is not None and not inputs.sampling_params[i].greedy:
+                        probs[i].append(q[k])
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
-        return DraftProposal(drafts, [torch.stack(p) if p and not params.greedy else None
-                                      for p, params in zip(probs, inputs.sampling_params)])
+        return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
     def _run_verified(self, inputs: ProposerInputs) -> tuple[torch.Tensor, np.ndarray]:
         """Every MTP layer over each request's verified rows of this step (the target's hidden
