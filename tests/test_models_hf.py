@@ -31,7 +31,7 @@ def forward_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
     cfg = model.config
     blocks = -(-n // 4)
     backend = TorchAttentionBackend()
-    caches = [torch.zeros(backend.kv_cache_shape(blocks, 4, cfg.num_kv_heads, cfg.head_dim), dtype=model.lm_head.weight.dtype)
+    caches = [torch.zeros(cfg.kv_cache_shape(backend, blocks, 4), dtype=model.lm_head.weight.dtype)
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(torch.tensor([0, n]), torch.tensor([n]), torch.arange(n),
                              torch.arange(blocks, dtype=torch.int32)[None], n, n, [0, n], [n])
