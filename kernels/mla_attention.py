@@ -60,7 +60,8 @@ def _mla_attention_kernel(
     head = head_block * BLOCK_H + rows % BLOCK_H
     row_ok = (rows // BLOCK_H < BLOCK_Q) & (q_idx < q_len) & (head < NUM_HEADS)
     q_pos = context_len + q_idx
-    token = q_start + q_idx
+    token = (q_start + q_idx).to(tl.int64)  # offsets below pass 2^31 elements at long prefills
+    head = head.to(tl.int64)
     dn = tl.arange(0, RANK_PAD)
     dr = tl.arange(0, ROPE_PAD)
     qn = tl.load(qn_ptr + token[:, None] * stride_qnt + head[:, None] * stride_qnh + dn[None, :],

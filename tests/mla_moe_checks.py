@@ -154,9 +154,12 @@ ROUTE_CASES = [
 
 
 def check_moe_route(device: str, dtype: torch.dtype) -> None:
-    """The kernel picks the reference's experts (as sets) with the reference's weights."""
+    """The kernel picks the reference's experts (as sets) with the reference's weights. Routing is
+    float32 whatever the model's dtype, so only the float32 run checks anything."""
+    if dtype != torch.float32:
+        return
     for moe in ROUTE_CASES:
-        logits = torch.randn(37, moe.num_experts) * 2
+        logits = torch.randn(9, moe.num_experts) * 2
         bias = torch.randn(moe.num_experts) * 0.3 if moe.topk_method == "noaux_tc" else None
         want_w, want_ids = reference_route(logits, bias, moe)
         to = lambda t: t.to(device) if t is not None else None  # noqa: E731
