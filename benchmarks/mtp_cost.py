@@ -39,7 +39,7 @@ def step_times(llm: Any, prompt: list[int], output_len: int, device: torch.devic
     from specloop import SamplingParams
     from specloop.kernel.request import Request
 
-    core = llm.engine_core
+    core = llm.core
     core.add_requests([Request(f"r{time.monotonic_ns()}", prompt,
                                SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))])
     times, tokens = [], []
@@ -81,7 +81,7 @@ def main() -> None:
                   max_num_seqs=4, gpu_memory_utilization=args.gpu_memory_utilization)
 
     plain = LLM(path, **engine)
-    runner = plain.engine_core.runner
+    runner = plain.core.runner
     size = runner.dtype.itemsize  # 2 in bf16 on the GPU; float32 on a CPU
     latent = cfg.mla.latent_dim * cfg.num_layers * size
     expanded = s["num_attention_heads"] * (s["qk_nope_head_dim"] + s["qk_rope_head_dim"] + s["v_head_dim"]) \
@@ -94,13 +94,13 @@ def main() -> None:
     step_times(plain, prompt, 8, device)  # warm-up
     target = step_times(plain, prompt, args.output_len, device)
     want = list(step_times.tokens)  # type: ignore[attr-defined]
-    plain.engine_core.shutdown()
+    plain.core.shutdown()
     del plain, runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
-    proposer = spec.engine_core.runner.drafter.proposer
+    proposer = spec.core.runner.drafter.proposer
     draft_times: list[float] = []
     propose = proposer.propose
 
@@ -130,7 +130,7 @@ def main() -> None:
     report("MTP step cost, batch 1", result)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times})
-    spec.engine_core.shutdown()
+    spec.core.shutdown()
     if got != want:
         raise SystemExit("greedy output with MTP differs from the output without it")
 

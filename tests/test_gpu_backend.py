@@ -124,8 +124,8 @@ def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str) -> None:
             [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
         if spec is not None:
             assert llm.get_metrics()["spec_acceptance_rate"] > 0.2
-            assert llm.engine_core.runner.parts.executor.num_replays > 0, "verification steps did not use CUDA graphs"
-        llm.engine_core.shutdown()
+            assert llm.core.runner.parts.executor.num_replays > 0, "verification steps did not use CUDA graphs"
+        llm.core.shutdown()
         del llm
         torch.cuda.empty_cache()
     if dtype == "float32":

@@ -232,3 +232,41 @@ def test_mtp_needs_a_checkpoint_with_mtp_layers(tmp_path) -> None:
     with pytest.raises(ValueError, match="no MTP layers specloop can run"):
         LLM(hf_models.tiny("qwen3").path, skip_tokenizer_init=True,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_several_mtp_layers_draft_in_turn(tmp_path) -> None:
+    """A checkpoint with two MTP layers (random ones, after a tiny random DeepSeek-V3): draft k uses
+    layer (k - 1) mod 2, each layer keeps its own cache, and greedy output is unchanged."""
+    import json
+    import shutil
+
+    import hf_models
+    from safetensors.torch import save_file
+
+    src = hf_models.tiny("deepseek_v3")
+    path = str(tmp_path / "two_mtp")
+    shutil.copytree(src.path, path)
+    weights = load_file(f"{path}/model.safetensors")
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    for j in range(2):
+        layer = f"model.layers.{n + j}."
+        weights.update({layer + k.removeprefix(f"model.layers.{n - 1}."): v.clone()
+                        for k, v in weights.items() if k.startswith(f"model.layers.{n - 1}.")})
+        weights[layer + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            weights[layer + norm + ".weight"] = torch.ones(hidden)
+    save_file(weights, f"{path}/model.safetensors")
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 2}, f)
+    token_prompts = hf_models.prompts(4, seed=41, min_len=5, max_len=20)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [src.greedy(p, 12) for p in token_prompts]
+    llm = LLM(path, skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              max_model_len=64, block_size=4)
+    assert len(llm.core.runner.drafter.proposer.kv_caches) == 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_metrics()["spec_num_draft_tokens"] > 0
