@@ -27,7 +27,8 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-# [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row.
+# [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row; and
+# for MLA [num_blocks, block_size, latent_dim], each slot one [c_kv | k_rope] row.
 PAGED_KV_LAYOUT = "paged_nhd"
 
 
@@ -75,8 +76,9 @@ class AttentionBackend(Protocol):
     tensor the runner allocates with :meth:`kv_cache_shape` and passes back on every call."""
 
     name: str
-    # PAGED_KV_LAYOUT when the cache is laid out like the torch backend's; fused kernels that write
-    # K/V themselves (``ops.TritonOps``) only do so for that layout, then call :meth:`attend`.
+    # PAGED_KV_LAYOUT when the caches are laid out like the torch backend's; fused kernels that write
+    # K/V (or latents) themselves (``ops.TritonOps``) only do so for that layout, then call
+    # :meth:`attend` (or ``attend_latent``).
     kv_layout: str
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

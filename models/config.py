@@ -176,7 +176,7 @@ def parse_rope(hf: dict[str, Any]) -> RopeConfig:
     return RopeConfig(
         theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor") or 1.0),
+        factor=float(params.get("factor") or _yarn_default_factor(hf, params, rope_type)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings")
@@ -188,6 +188,14 @@ def parse_rope(hf: dict[str, Any]) -> RopeConfig:
         attention_factor=_opt_float(params.get("attention_factor")),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _yarn_default_factor(hf: dict[str, Any], params: dict[str, Any], rope_type: str) -> float:
+    """YaRN without ``factor`` stretches ``original_max_position_embeddings`` to the model's length."""
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "yarn" and original and hf.get("max_position_embeddings"):
+        return hf["max_position_embeddings"] / original
+    return 1.0
 
 
 def _opt_float(value: Any) -> float | None:
