@@ -1,5 +1,6 @@
-"""The runner's side of speculative decoding: after sampling, hand the requests that sampled to the
-proposer (``specloop.proposers``) with what it declared it needs, keep its drafts for
+"""The runner's side of speculative decoding: after sampling, hand the requests that sampled (and,
+to a proposer that asks, those that computed a prompt chunk) to the proposer
+(``specloop.proposers``) with what it declared it needs, keep its drafts for
 ``take_draft_token_ids`` and the probabilities they were drawn from for the next verification."""
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class DraftingStage:
     def _propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
                  aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
                  requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
-        idx = [i for i, s in enumerate(sampled) if s]
+        chunks = self.proposer.runs_on_prefill_chunks
+        idx = [i for i, s in enumerate(sampled) if s or chunks]
         self.draft_probs.clear()
         if not idx:
             return None
@@ -76,7 +78,8 @@ class DraftingStage:
         if self.proposer.needs_hidden_states:
             _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx)
         proposal: DraftProposal = self.proposer.propose(inputs)
-        keep = [(k, d) for k, d in enumerate(proposal.draft_token_ids) if len(d)]
+        # A request in the middle of its prompt takes no drafts, whatever a proposer returns for it.
+        keep = [(k, d) for k, d in enumerate(proposal.draft_token_ids) if len(d) and inputs.num_sampled[k]]
         for k, _ in keep:
             self.draft_probs[inputs.req_ids[k]] = proposal.draft_probs[k] if proposal.draft_probs else None
         if not keep:
@@ -103,4 +106,4 @@ def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, hidden: torch.
     inputs.aux_hidden_states = tuple(aux)
     # The newest token came from the row of the last accepted draft (or the bonus row).
     inputs.sampled_rows = np.array([sub_qsl[k + 1] - batch.sample_rows[i][1] + len(sampled[i]) - 1
-                                    for k, i in enumerate(idx)], dtype=np.int64)
+                                    if sampled[i] else -1 for k, i in enumerate(idx)], dtype=np.int64)

@@ -195,8 +195,7 @@ class ModelRunner:
 
         def profile() -> None:
             mc = self.model_config
-            shape = self.attn_backend.kv_cache_shape(-(-n // self.block_size), self.block_size, mc.num_kv_heads,
-                                                     mc.head_dim)
+            shape = mc.kv_cache_shape(self.attn_backend, -(-n // self.block_size), self.block_size)
             scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
             executor.profile(n, min(n, c.max_num_seqs), scratch, self.block_size, self.device)
 
@@ -204,7 +203,7 @@ class ModelRunner:
         num_blocks = self.tp.agree_min(kv_memory.num_kv_blocks(c, self.device, self.kv_bytes_per_block(),
                                                                self.block_size, profile))
         mc = self.model_config
-        shape = self.attn_backend.kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = mc.kv_cache_shape(self.attn_backend, num_blocks, self.block_size)
         executor.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
         if self.drafter is not None:
             self.drafter.proposer.initialize(num_blocks)

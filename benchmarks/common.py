@@ -22,6 +22,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+DEEPSEEK_V2: dict[str, Any] = dict(
+    config_class="DeepseekV2Config", architecture="DeepseekV2ForCausalLM", q_lora_rank=None, first_k_dense_replace=1,
+    topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, max_position_embeddings=163840, mtp_layers=1,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
+
 # The shapes the GPU benchmarks measure (random weights).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=1024,
@@ -50,6 +57,18 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=256,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
                  tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096),
+    # DeepSeek-V2-Lite: MLA (no q LoRA, latent 512 + rotary 64), a dense first layer, then 64 routed
+    # experts (top 6, softmax routing) + 2 shared ones; YaRN x40. Plus one MTP layer, as DeepSeek-V3
+    # stores it (V2-Lite ships none), for the MTP proposer's cost.
+    "deepseek-v2-lite": dict(DEEPSEEK_V2, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+                             n_shared_experts=2, num_experts_per_tok=6, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400),
+    # The same layout in miniature, for trying the DeepSeek benchmarks on a CPU.
+    "deepseek-tiny": dict(DEEPSEEK_V2, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                          n_shared_experts=2, num_experts_per_tok=2, kv_lora_rank=64, qk_nope_head_dim=32,
+                          qk_rope_head_dim=16, v_head_dim=32, vocab_size=1024),
 }
 
 
@@ -137,6 +156,7 @@ def build_checkpoint(shape: str, root: str, device: torch.device, seed: int = 0)
         return path
     spec = dict(SHAPES[shape])
     config_class, architecture = spec.pop("config_class"), spec.pop("architecture")
+    mtp_layers = spec.pop("mtp_layers", 0)
     config = getattr(transformers, config_class)(**spec, bos_token_id=1, eos_token_id=2)
     config.architectures = [architecture]
     with torch.device("meta"):
@@ -158,40 +178,94 @@ def build_checkpoint(shape: str, root: str, device: torch.device, seed: int = 0)
             weight_map.update({k: fname for k in shard})
             shard, size = {}, 0
 
-    for name, p in model.named_parameters():  # tied weights appear once
+    for name, shape_ in checkpoint_shapes(model, mtp_layers):  # tied weights appear once
         if name.endswith("norm.weight"):
-            t = torch.ones(p.shape, dtype=torch.bfloat16, device=device)
+            t = torch.ones(shape_, dtype=torch.bfloat16, device=device)
         else:
-            t = torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
+            t = torch.empty(shape_, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
         shard[name] = t
         size += t.numel() * 2
         if size >= 2 << 30:
             flush()
     flush()
+    if mtp_layers:  # transformers' config classes do not know the field; DeepSeek-V3's config.json has it
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**saved, "num_nextn_predict_layers": mtp_layers}, f, indent=2)
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return path
+
+
+def checkpoint_shapes(model: Any, mtp_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor a checkpoint of ``model`` holds, plus ``mtp_layers`` DeepSeek MTP layers after
+    the last decoder layer (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and a copy of the
+    last layer's block; the embedding and head stay shared, as the MTP proposer reads them)."""
+    out = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    layers = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    block = [(name.split(".", 3)[3], shape) for name, shape in out if name.startswith(f"model.layers.{layers - 1}.")]
+    for j in range(mtp_layers):
+        prefix = f"model.layers.{layers + j}."
+        out += [(prefix + "enorm.weight", (hidden,)), (prefix + "hnorm.weight", (hidden,)),
+                (prefix + "eh_proj.weight", (hidden, 2 * hidden)), (prefix + "shared_head.norm.weight", (hidden,))]
+        out += [(prefix + name, shape) for name, shape in block]
+    return out
 
 
 @dataclass(frozen=True)
 class ModelCost:
     """Bytes and FLOPs of one model shape (bf16 weights and KV)."""
 
-    weight_bytes: int  # every weight read once per forward (embedding rows excluded, LM head included)
+    weight_bytes: int  # weights one token's forward reads (embedding rows excluded, LM head included)
     matmul_params: int  # weights multiplied per token by the layers (excludes the LM head)
     lm_head_params: int
-    kv_bytes_per_token: int  # K and V of one position over all layers
+    kv_bytes_per_token: int  # K and V (or MLA's latent) of one position over all layers
     attn_flops_per_pair: int  # FLOPs of one (query, key) pair over all layers: QK^T and PV
+    # Mixture of experts: bytes of one routed expert over all MoE layers, experts per layer, picks per token.
+    expert_bytes: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def weight_bytes_at(self, batch: int) -> float:
+        """Weights one decode step of ``batch`` tokens reads: the dense ones once, and every routed
+        expert some token picked (expected count under uniform, independent routing)."""
+        if not self.num_experts:
+            return float(self.weight_bytes)
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        return self.weight_bytes + self.expert_bytes * (touched - self.top_k)
 
     @classmethod
     def of(cls, shape: str) -> ModelCost:
         s = SHAPES[shape]
+        if "kv_lora_rank" in s:
+            return cls._deepseek(s)
         h, i, n = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
         q, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
         layer = h * (q + 2 * kv) * d + q * d * h + 3 * h * i
         lm_head = s["vocab_size"] * h
         return cls(weight_bytes=2 * (n * layer + lm_head), matmul_params=n * layer, lm_head_params=lm_head,
                    kv_bytes_per_token=2 * n * kv * d * 2, attn_flops_per_pair=4 * n * q * d)
+
+    @classmethod
+    def _deepseek(cls, s: dict[str, Any]) -> ModelCost:
+        """MLA in its absorbed form (per pair: ``[q_nope W_UK | q_rope]`` . 576-wide latent, then the
+        512-wide average) and MoE with ``top_k`` routed experts per token."""
+        h, n, heads = s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"]
+        rank, rope, nope, v = s["kv_lora_rank"], s["qk_rope_head_dim"], s["qk_nope_head_dim"], s["v_head_dim"]
+        q_lora = s.get("q_lora_rank")
+        q = h * heads * (nope + rope) if not q_lora else h * q_lora + q_lora * heads * (nope + rope)
+        attn = q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
+        dense, moe_layers = s["first_k_dense_replace"], n - s["first_k_dense_replace"]
+        expert = 3 * h * s["moe_intermediate_size"]
+        experts, top_k = s["n_routed_experts"], s["num_experts_per_tok"]
+        layers = n * attn + dense * 3 * h * s["intermediate_size"] + moe_layers * (
+            s["n_shared_experts"] * expert + experts * h + top_k * expert)
+        lm_head = s["vocab_size"] * h
+        return cls(weight_bytes=2 * (layers + lm_head), matmul_params=layers, lm_head_params=lm_head,
+                   kv_bytes_per_token=2 * n * (rank + rope), attn_flops_per_pair=2 * n * heads * (2 * rank + rope),
+                   expert_bytes=2 * moe_layers * expert, num_experts=experts, top_k=top_k)
 
 
 # --- ceilings ---------------------------------------------------------------------------------------

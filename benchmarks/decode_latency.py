@@ -4,9 +4,12 @@ For each shape: requests of a 32-token random prompt and 256 greedy output token
 through ``LLM.generate``, at batch 1 and at each ``--batch-sizes`` entry. tok/s = output tokens /
 wall time (the 32-token prefill is included; it is under 1% of the work). The roofline at batch b
 is ``b * bandwidth / (weight bytes + b * mean context * KV bytes per token)``, at the copy
-bandwidth measured in this run. Plot: tok/s vs batch size, with the roofline.
+bandwidth measured in this run; for a mixture of experts the weight bytes are those a step of b
+tokens reads (dense weights, and the routed experts some token picked, expected under uniform
+routing), for MLA the KV bytes are the latent's. Plot: tok/s vs batch size, with the roofline.
 
     python benchmarks/decode_latency.py --shapes qwen3-0.6b,llama3-8b --out out/bench
+    python benchmarks/decode_latency.py --shapes deepseek-v2-lite --batch-sizes 1,16,64,256
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         elapsed = float(np.median(times))
         tok_s = b * args.output_len / elapsed
-        roof = b * bandwidth / (cost.weight_bytes + b * mean_ctx * cost.kv_bytes_per_token)
+        roof = b * bandwidth / (cost.weight_bytes_at(b) + b * mean_ctx * cost.kv_bytes_per_token)
         rows.append({"batch": b, "tok_s": tok_s, "ms_per_step": 1e3 * elapsed / args.output_len,
                      "roofline_tok_s": roof, "pct_of_roofline": 100 * tok_s / roof, "runs_s": times})
         report(f"{shape} batch {b}", rows[-1])

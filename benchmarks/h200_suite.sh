@@ -3,8 +3,8 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (stages: tests offline decode decode8b prefill breakdown; the commit is passed in because the
-# tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
+# (stages: tests offline decode decode8b prefill breakdown serving spec spec8b deepseek; the commit is passed in because
+# the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
 # skipped, and TP_RUNS / DP_SIZES pick fewer runs to fit one call's time.
@@ -43,14 +43,14 @@ stage() {  # stage NAME SECONDS CMD...
   pack
 }
 
-stages=${*:-tests offline decode prefill breakdown}
+stages=${*:-tests offline decode prefill breakdown deepseek}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv > "$RES/nvidia-smi.csv" 2>&1
 echo "${SPECLOOP_COMMIT:-$(git log -1 --format=%h 2>/dev/null)}" > "$RES/commit.txt"
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
+    tests) stage gpu_tests "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
              tests/test_gpu_backend.py tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
              --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ;;
@@ -64,8 +64,30 @@ for s in $stages; do
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;
     dp) stage data_parallel "${T_DP:-400}" python3 benchmarks/distributed.py --out "$RES/dp" --ckpt-root "$CKPT" \
              --runs "" --dp "${DP_SIZES:-1,2}" ;;
+    serving)  # specloop serve (engine in its own process) at rates 4, 16, inf, and offline in the same run
+      ckpt=$(python3 -c "import sys, torch; sys.path.insert(0, 'benchmarks'); from common import build_checkpoint; print(build_checkpoint('qwen3-0.6b', '$CKPT', torch.device('cuda')))" | tail -1)
+      stage serving "${T_SERVING:-330}" python3 benchmarks/serving.py --model "$ckpt" --rates "${RATES:-4,16,inf}" \
+             --num-prompts 200 --input-len 1024 --output-len 128 --offline --json "$RES/serving.json" \
+             --engine-args "--skip-tokenizer-init --dtype bfloat16" ;;
+    spec)  # speculative decoding on the default models (greedy, held-out prompts), fixed and adaptive K
+      stage spec_default "${T_SPEC:-300}" python3 benchmarks/spec_decode.py --out "$RES/spec" --device cuda \
+             --batch-sizes 1,32 --ks 1,3 --methods "${SPEC_METHODS:-ngram,draft_model}" --repeat 2
+      stage spec_adaptive "${T_SPEC_ADAPTIVE:-200}" python3 benchmarks/spec_decode.py --out "$RES/spec_adaptive" \
+             --device cuda --batch-sizes 1,32 --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model}" --policy adaptive \
+             --repeat 2 ;;
+    spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram and a one-layer (EAGLE-cost) draft
+      stage spec_controlled_8b "${T_SPEC8B:-330}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \
+             --device cuda --ckpt-root "$CKPT" --model llama3-8b --draft-model llama3-8b-1layer --prompts random \
+             --alpha 0.8 --ks 3 --batch-sizes 1 --methods ngram,draft_model --prompt-len 128 --output-len 128 \
+             --min-prompts 2 --repeat 2 ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
+    deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers
+      stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT"
+      stage ds_decode "${T_DS_DECODE:-150}" python3 benchmarks/decode_latency.py --out "$RES/deepseek" \
+             --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256
+      stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \
+             --ckpt-root "$CKPT" --shape deepseek-v2-lite --peer-time-limit "${PEER_S:-40}" ;;
   esac
 done
 echo "=== done $(date +%T)"

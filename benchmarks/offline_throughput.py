@@ -7,7 +7,8 @@ in the same run and against the workload's own roofline.
 
 Roofline (computed here from the workload, at the bandwidth and matmul rate measured in this run):
 decode is bound by bytes (each step reads the weights once, shared by the batch, plus every
-running request's KV; with every request admitted at once there are ``max(output_len)`` steps),
+running request's KV; with every request admitted at once there are ``max(output_len)`` steps; a
+mixture of experts reads the experts the step's tokens picked),
 prefill by FLOPs (matmuls + causal attention). The plot shows decode throughput per step against
 the number of requests decoding, from this run's steps.
 
@@ -46,7 +47,9 @@ def roofline(cost: ModelCost, work: list[tuple[list[int], int]], bandwidth: floa
     outs = np.array([o for _, o in work], dtype=np.float64)
     # Decode: token t of a request reads the KV of its prompt and its first t outputs.
     kv_bytes = float(np.sum(outs * ins + outs * (outs - 1) / 2)) * cost.kv_bytes_per_token
-    weight_bytes = float(outs.max()) * cost.weight_bytes
+    # Every request is admitted at once: decode step t runs the requests with more than t outputs.
+    running = np.searchsorted(np.sort(outs), np.arange(int(outs.max())), side="right")
+    weight_bytes = float(sum(cost.weight_bytes_at(int(len(outs) - r)) for r in running))
     prefill_flops = float(np.sum(2 * cost.matmul_params * ins + cost.attn_flops_per_pair * ins * (ins + 1) / 2))
     decode_flops = float(np.sum(outs)) * 2 * (cost.matmul_params + cost.lm_head_params)
     t = (kv_bytes + weight_bytes) / bandwidth + (prefill_flops + decode_flops) / flops

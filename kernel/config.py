@@ -6,7 +6,10 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp", "medusa")
+# Proposers that run over the target's hidden state at every verified position, keeping a cache of
+# their own over those positions (vLLM's ``use_eagle()``).
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
 
 
 @dataclass(slots=True)
@@ -15,7 +18,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # draft model / head checkpoint directory
+    model: str | None = None  # draft model / head checkpoint directory (mtp: default the target's)
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_dtype: str | None = None
@@ -35,6 +38,14 @@ class SpeculativeConfig:
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         elif self.method in ("draft_model", "eagle", "eagle3", "medusa") and not self.model:
             raise ValueError(f"speculative_config.method={self.method!r} needs 'model' (a local checkpoint path)")
+
+    @property
+    def reads_target_hidden_states(self) -> bool:
+        """The proposer builds a cache from the target's hidden state at every position, so a
+        prefix-cache hit must leave its last block to be recomputed: the proposer's entry for the
+        hit's last position depends on the token after it (this request's, not the block's owner's)
+        and on a hidden state the target only produces by computing that position."""
+        return self.method in HIDDEN_STATE_METHODS
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:

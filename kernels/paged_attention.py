@@ -58,21 +58,22 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    if BLOCK_Q == 1:
-        # Decode: one program per sequence, no search (BLOCK_M pads the group up to a dot tile).
+    if DECODE:
+        # One new token per sequence: one program per sequence, no search (BLOCK_M pads the group
+        # up to a dot tile).
         seq = pid_q
         q_block = 0
     else:
         seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if BLOCK_Q != 1:
+    if not DECODE:
         q_block = pid_q - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
@@ -227,13 +228,15 @@ def paged_attention(
     # float32 (for exactness tests) spills registers at 128 rows, so it stops at 64.
     rows = 128 if max_query_len * group_pad >= 128 and q.dtype != torch.float32 else (
         64 if max_query_len * group_pad >= 64 else 16)
-    # Decode batches (one new token each) map programs to sequences directly.
-    block_q = 1 if max_query_len == 1 else max(1, rows // group_pad)
+    # Decode batches (one new token each) map programs to sequences directly. A wide GQA group can
+    # make a multi-token tile one token tall too, but that still needs the search by q-block.
+    decode = max_query_len == 1
+    block_q = 1 if decode else max(1, rows // group_pad)
     rows = max(rows, block_q * group_pad)
     block_n, num_warps, num_stages = 64, 8 if rows >= 128 else 4, 2
-    if block_q == 1 and decode_config is not None:
+    if decode and decode_config is not None:
         block_n, num_warps, num_stages = decode_config
-    num_q_blocks = num_seqs if block_q == 1 else num_tokens // block_q + num_seqs
+    num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
                                device=q.device)
@@ -252,7 +255,7 @@ def paged_attention(
         NUM_Q_HEADS=num_q_heads, GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

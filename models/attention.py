@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
-# [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row.
+# [2, num_blocks, block_size, num_kv_heads, head_dim]: K then V, each slot a [heads, dim] row; and
+# for MLA [num_blocks, block_size, latent_dim], each slot one [c_kv | k_rope] row.
 PAGED_KV_LAYOUT = "paged_nhd"
 
 
@@ -53,15 +55,14 @@ class AttentionMetadata:
     def build(cls, query_start_loc: list[int], seq_lens: list[int], slot_mapping: Sequence[int],
               block_tables: Sequence[Sequence[int]], device: torch.device) -> AttentionMetadata:
         """From host lists: ``block_tables[i]`` is request ``i``'s block ids (rows are 0-padded)."""
-        table = torch.zeros(len(block_tables), max((len(b) for b in block_tables), default=1) or 1,
-                            dtype=torch.int32)
+        table = np.zeros((len(block_tables), max((len(b) for b in block_tables), default=1) or 1), dtype=np.int32)
         for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[i, :len(blocks)] = blocks
         return cls(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
-            block_tables=table.to(device, non_blocking=True),
+            block_tables=torch.from_numpy(table).to(device, non_blocking=True),
             max_query_len=max((query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))),
                               default=0),
             max_seq_len=max(seq_lens, default=0),
@@ -75,8 +76,9 @@ class AttentionBackend(Protocol):
     tensor the runner allocates with :meth:`kv_cache_shape` and passes back on every call."""
 
     name: str
-    # PAGED_KV_LAYOUT when the cache is laid out like the torch backend's; fused kernels that write
-    # K/V themselves (``ops.TritonOps``) only do so for that layout, then call :meth:`attend`.
+    # PAGED_KV_LAYOUT when the caches are laid out like the torch backend's; fused kernels that write
+    # K/V (or latents) themselves (``ops.TritonOps``) only do so for that layout, then call
+    # :meth:`attend` (or ``attend_latent``).
     kv_layout: str
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -89,6 +91,25 @@ class AttentionBackend(Protocol):
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """:meth:`forward` for a cache that already holds this step's K/V."""
+
+
+class LatentAttentionBackend(Protocol):
+    """What a backend adds for multi-head latent attention (DeepSeek's MLA), in its absorbed form:
+    every query head attends over one shared row per token, ``[c_kv | k_rope]`` (``latent_dim``
+    values), which serves as the key, and whose first ``kv_lora_rank`` values serve as the value."""
+
+    def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's latent cache."""
+
+    def forward_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write ``latent`` ([T, latent_dim]) at ``meta.slot_mapping``, then :meth:`attend_latent`."""
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """``q_nope`` [T, H, kv_lora_rank] (W_UK already folded in) and ``q_rope`` [T, H, rope dim]
+        against each request's cached latents (causal as :meth:`AttentionBackend.forward`);
+        returns [T, H, kv_lora_rank], still to be multiplied by W_UV."""
 
 
 class TorchAttentionBackend:
@@ -125,6 +146,30 @@ class TorchAttentionBackend:
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]
             values = value_cache[blocks].flatten(0, 1)[:seq_len]
             out[start:end] = _attend(q[start:end], keys, values, seq_len - (end - start), group, scale)
+        return out
+
+    def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, latent_dim)
+
+    def forward_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+        return self.attend_latent(q_nope, q_rope, kv_cache, meta, scale)
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        block_size, rank = kv_cache.shape[1], q_nope.shape[-1]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        out = torch.empty_like(q_nope)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+            rows = kv_cache[blocks].flatten(0, 1)[:seq_len, None, :]  # one "KV head" for every query head
+            out[start:end] = _attend(q[start:end], rows, rows[..., :rank], seq_len - (end - start), q.shape[1],
+                                     scale)
         return out
 
 

@@ -7,11 +7,12 @@ loader and the model classes use it to size layers, the KV cache and the rotary 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelLoadError(ValueError):
@@ -29,6 +30,78 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # yarn only: the ramp between interpolated and extrapolated frequencies, and the magnitude
+    # correction of cos/sin (``attention_factor``, else derived from ``mscale`` / ``mscale_all_dim``).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What YaRN multiplies the rotary tables by (1 for the other types)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention. Per token and layer the cache keeps the normalised
+    latent ``c_kv`` (``kv_lora_rank``) and the rotary key shared by all heads (``qk_rope_head_dim``)."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rotary dims are (x0, x1), (x2, x3), ... pairs
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def softmax_scale(self, rope: RopeConfig) -> float:
+        """``1/sqrt(qk head dim)``, times YaRN's ``mscale(factor, mscale_all_dim)**2`` (a scaled
+        rotary table changes the logits' magnitude; DeepSeek corrects it in the softmax)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if rope.rope_type != "default" and rope.mscale_all_dim:
+            m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """DeepSeek's mixture of experts: routed experts plus always-on shared ones."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    num_shared_experts: int  # one dense MLP of num_shared_experts * intermediate_size
+    first_dense_layers: int  # layers before this index have a dense MLP instead
+    layer_freq: int  # and after it, every layer_freq-th layer is MoE
+    scoring: str  # "sigmoid" (V3) or "softmax" (V2)
+    # "noaux_tc" (V3: bias-corrected choice, groups ranked by their top-2 sum), "group_limited_greedy"
+    # (V2: groups ranked by their best expert) or "greedy" (no groups).
+    topk_method: str
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_dense_layers and layer_idx % self.layer_freq == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +123,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mla: MLAConfig | None = None  # set for DeepSeek-V2/V3: the cache holds latents, not K/V
+    moe: MoEConfig | None = None
+    num_mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers after the last decoder layer
     hf: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the raw config.json
 
     def per_rank(self, tensor_parallel_size: int) -> ModelConfig:
@@ -73,9 +149,16 @@ class ModelConfig:
         return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
                        intermediate_size=self.intermediate_size // tp)
 
+    def kv_cache_shape(self, backend: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor, laid out by the attention ``backend``."""
+        if self.mla is not None:
+            return backend.latent_cache_shape(num_blocks, block_size, self.mla.latent_dim)
+        return backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def kv_bytes_per_block(self, block_size: int, dtype_size: int) -> int:
-        """Bytes one paged-KV block takes across all layers (K and V)."""
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype_size
+        """Bytes one paged-KV block takes across all layers (K and V, or MLA's latent)."""
+        per_token = self.mla.latent_dim if self.mla is not None else 2 * self.num_kv_heads * self.head_dim
+        return self.num_layers * block_size * per_token * dtype_size
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -114,12 +197,30 @@ def parse_rope(hf: dict[str, Any]) -> RopeConfig:
     return RopeConfig(
         theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(params.get("factor") or _yarn_default_factor(hf, params, rope_type)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings")
         or hf.get("max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
     )
+
+
+def _yarn_default_factor(hf: dict[str, Any], params: dict[str, Any], rope_type: str) -> float:
+    """YaRN without ``factor`` stretches ``original_max_position_embeddings`` to the model's length."""
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "yarn" and original and hf.get("max_position_embeddings"):
+        return hf["max_position_embeddings"] / original
+    return 1.0
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def parse_hf_config(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -146,6 +247,9 @@ def parse_hf_config(hf: dict[str, Any], generation_config: dict[str, Any] | None
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids((generation_config or {}).get("eos_token_id", hf.get("eos_token_id"))),
             bos_token_id=hf.get("bos_token_id"),
+            mla=parse_mla(hf) if "kv_lora_rank" in hf else None,
+            moe=parse_moe(hf, archs[0]) if hf.get("n_routed_experts") else None,
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             hf=hf,
         )
     except KeyError as e:
@@ -156,6 +260,51 @@ def parse_hf_config(hf: dict[str, Any], generation_config: dict[str, Any] | None
         raise ModelLoadError(f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
                              f"num_key_value_heads ({cfg.num_kv_heads})")
     return cfg
+
+
+def parse_mla(hf: dict[str, Any]) -> MLAConfig:
+    q_lora = hf.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        # DeepSeek-V2 always stores interleaved pairs; V3 says so (transformers' default: true).
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def parse_moe(hf: dict[str, Any], architecture: str) -> MoEConfig:
+    """Routing defaults follow the architecture when ``config.json`` leaves them out, as
+    transformers does: V3 scores with a sigmoid and picks with the correction bias (``noaux_tc``),
+    V2 with a softmax (``greedy`` unless it names ``group_limited_greedy``)."""
+    v3 = architecture != "DeepseekV2ForCausalLM"
+    scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if scoring not in ("sigmoid", "softmax"):
+        raise ModelLoadError(f"unsupported MoE scoring_func {scoring!r}; supported: sigmoid, softmax")
+    if method not in ("noaux_tc", "group_limited_greedy", "greedy"):
+        raise ModelLoadError(f"unsupported MoE topk_method {method!r}; supported: noaux_tc, "
+                             "group_limited_greedy, greedy")
+    num_experts = int(hf["n_routed_experts"])
+    groups = int(hf.get("n_group") or 1)
+    if num_experts % groups:
+        raise ModelLoadError(f"n_routed_experts ({num_experts}) must be a multiple of n_group ({groups})")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=int(hf["num_experts_per_tok"]),
+        intermediate_size=int(hf["moe_intermediate_size"]),
+        num_shared_experts=int(hf.get("n_shared_experts") or 0),
+        first_dense_layers=int(hf.get("first_k_dense_replace") or 0),
+        layer_freq=int(hf.get("moe_layer_freq") or 1),
+        scoring=scoring,
+        topk_method=method,
+        num_groups=groups,
+        topk_groups=int(hf.get("topk_group") or groups),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+    )
 
 
 def read_model_config(path: str) -> ModelConfig:

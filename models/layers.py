@@ -56,13 +56,37 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: high frequencies (many rotations over the original context) are kept, low ones are
+    divided by ``factor``, with a linear ramp between the dims that rotate ``beta_fast`` and
+    ``beta_slow`` times over ``original_max_position_embeddings``."""
+    old_len = float(rope.original_max_position_embeddings or 4096)
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (the first and second halves of each head rotate together), with
     float32 ``cos``/``sin`` tables ``[max_positions, head_dim // 2]`` computed once (the same float32
-    products as computing them per call). One per model, shared by its attention layers."""
+    products as computing them per call; YaRN's magnitude correction included). One per model,
+    shared by its attention layers."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -78,8 +102,9 @@ class RotaryEmbedding(nn.Module):
         device = self.cos.device
         inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
         freqs = torch.arange(self.max_positions, device=device).float()[:, None] * inv_freq.float()[None, :]
-        self.cos = freqs.cos().contiguous()
-        self.sin = freqs.sin().contiguous()
+        scale = self.rope.cos_sin_scale
+        self.cos = (freqs.cos() * scale).contiguous()
+        self.sin = (freqs.sin() * scale).contiguous()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` [T]; ``q`` [T, Hq, D]; ``k`` [T, Hkv, D]."""

@@ -12,7 +12,7 @@ import glob
 import inspect
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -67,13 +67,16 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(files: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[str], device: torch.device, keep: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` (only those whose name ``keep`` accepts: the others are not read)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 class LazyTensor:
@@ -131,12 +134,18 @@ def load_model(path: str, models: Any, device: str | torch.device = "auto", dtyp
         if "tp" not in inspect.signature(models.get(cfg.architecture)).parameters:
             raise ModelLoadError(f"{cfg.architecture} does not support tensor parallelism")
         kwargs["tp"] = tp
-    # Build on the meta device so no time goes into random initialisation, then materialise.
+    model = build_empty(lambda: models.create(cfg.architecture, hf_config=cfg.hf, **kwargs), device, dtype)
+    model.load_weights(iter_safetensors_lazy(files, device) if tp.size > 1 else iter_safetensors(files, device))
+    return model.eval().requires_grad_(False), cfg
+
+
+def build_empty(factory: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``factory()`` built on the meta device (no time goes into random initialisation), then
+    materialised on ``device`` uninitialised, with the buffers no checkpoint holds recomputed."""
     with torch.device("meta"), _default_dtype(dtype):
-        model = models.create(cfg.architecture, hf_config=cfg.hf, **kwargs)
+        model = factory()
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.load_weights(iter_safetensors_lazy(files, device) if tp.size > 1 else iter_safetensors(files, device))
-    return model.eval().requires_grad_(False), cfg
+    return model

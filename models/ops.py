@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import PAGED_KV_LAYOUT, AttentionBackend, AttentionMetadata
+from .config import MoEConfig
 from .layers import RotaryEmbedding, rms_norm
 
 
@@ -47,6 +48,26 @@ class AttentionShape(Protocol):
     rotary: RotaryEmbedding
 
 
+class LatentAttentionShape(Protocol):
+    """What the MLA op reads from an MLA layer (``models.mla.MLAttention``)."""
+
+    layer_idx: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float
+    kv_a_layernorm: torch.nn.Module
+    rotary: RotaryEmbedding
+
+    @property
+    def w_uk(self) -> torch.Tensor: ...
+
+    @property
+    def w_uv_t(self) -> torch.Tensor: ...
+
+
 class Ops(Protocol):
     name: str
 
@@ -65,6 +86,24 @@ class Ops(Protocol):
                   ctx: ForwardContext) -> torch.Tensor:
         """From the fused qkv projection [T, (Hq + 2 Hkv) D] to the attention output [T, Hq D]: the
         optional q/k norms, the rotary embedding, the KV write and attention over the cache."""
+
+    def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
+                      positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Multi-head latent attention from the query [T, H (nope + rope)] and the latent projection
+        [T, kv_lora_rank + rope] to the heads' outputs [T, H v]: the latent's norm, the rotary
+        embedding, the latent cache write, W_UK folded into q, attention over the cached latents
+        (``LatentAttentionBackend``), W_UV. ``q`` may be rotated in place."""
+
+    def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts each token picks from its router logits [T, E] (float32), and their weights:
+        ([T, top_k + S] float32, [T, top_k + S] int32), the last ``S`` columns being the shared
+        experts ``E .. E + S - 1`` with weight 1 (see ``models.moe``)."""
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts: ``sum_k topk_weights[t, k] * (silu(x w13_e[:I]^T) * (x w13_e[I:]^T)) w2_e^T`` with
+        ``e = topk_ids[t, k]``; ``x`` [T, H], ``w13`` [E, 2I, H], ``w2`` [E, H, I]."""
 
 
 class TorchOps:
@@ -96,6 +135,46 @@ class TorchOps:
         q, k = attn.rotary(positions, q, k)
         out = ctx.attention(attn.layer_idx, q, k, v, attn.scale)
         return out.reshape(-1, attn.q_size)
+
+    def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
+                      positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens, heads, nope, rank = q.shape[0], attn.num_heads, attn.qk_nope_head_dim, attn.kv_lora_rank
+        q_nope, q_rope = q.unflatten(-1, (heads, -1)).split([nope, attn.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = latent.split([rank, attn.qk_rope_head_dim], dim=-1)
+        c_kv = rms_norm(c_kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+        q_rope, k_rope = attn.rotary(positions, q_rope, k_rope[:, None, :])
+        q_latent = torch.bmm(q_nope.transpose(0, 1), attn.w_uk).transpose(0, 1)
+        out = ctx.backend.forward_latent(q_latent, q_rope, torch.cat([c_kv, k_rope[:, 0]], dim=-1),
+                                         ctx.kv_caches[attn.layer_idx], ctx.metadata, attn.scale)
+        return torch.bmm(out.transpose(0, 1), attn.w_uv_t).transpose(0, 1).reshape(tokens, heads * attn.v_head_dim)
+
+    def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + bias if bias is not None else scores
+        if moe.topk_method != "greedy" and moe.topk_groups < moe.num_groups:
+            grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+            v3 = moe.topk_method == "noaux_tc"  # groups ranked by their top-2 sum, else by their best
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if v3 else grouped.amax(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(moe.topk_groups, dim=-1)[1], 1.0)
+            choice = grouped.masked_fill(keep[:, :, None] == 0, float("-inf") if v3 else 0.0).flatten(1)
+        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * moe.routed_scaling_factor
+        shared = torch.arange(moe.num_experts, moe.num_experts + moe.num_shared_experts, device=ids.device)
+        ids = torch.cat([ids, shared.expand(ids.shape[0], -1)], dim=1).to(torch.int32)
+        return torch.cat([weights, torch.ones(ids.shape[0], moe.num_shared_experts, device=ids.device)], dim=1), ids
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in topk_ids.unique().tolist():  # the experts some token picked
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            h = F.linear(self.silu_and_mul(F.linear(x[token], w13[e])), w2[e])
+            out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(out.dtype))
+        return out
 
 
 class TritonOps:
@@ -147,6 +226,37 @@ class TritonOps:
             rms_norm(k, norms[1], eps, out=k)
         rotary_embedding(q, k, positions, rope.cos, rope.sin)
         return ctx.attention(attn.layer_idx, q, k, v, attn.scale).view(tokens, attn.q_size)
+
+    def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
+                      positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if getattr(ctx.backend, "kv_layout", None) != PAGED_KV_LAYOUT:
+            return TORCH_OPS.mla_attention(attn, q, latent, positions, ctx)
+        from specloop.kernels.mla_rope_cache import mla_rope_cache
+
+        tokens, heads, nope = q.shape[0], attn.num_heads, attn.qk_nope_head_dim
+        q = q.unflatten(-1, (heads, -1))
+        q_rope = q[:, :, nope:]
+        kv_cache, norm = ctx.kv_caches[attn.layer_idx], attn.kv_a_layernorm
+        mla_rope_cache(q_rope, latent, positions, attn.rotary.cos, attn.rotary.sin, norm.weight, norm.eps, kv_cache,
+                       ctx.metadata.slot_mapping)
+        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), attn.w_uk).transpose(0, 1)
+        out = ctx.backend.attend_latent(q_latent, q_rope, kv_cache, ctx.metadata, attn.scale)
+        return torch.bmm(out.transpose(0, 1), attn.w_uv_t).transpose(0, 1).reshape(tokens, heads * attn.v_head_dim)
+
+    def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        from specloop.kernels.moe_route import moe_route
+
+        return moe_route(logits, bias, moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+                         num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
+                         topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
+                         renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        from specloop.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 TORCH_OPS = TorchOps()

@@ -12,6 +12,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "specloop.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "specloop.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "specloop.models.qwen3:Qwen3ForCausalLM",
+    "DeepseekV2ForCausalLM": "specloop.models.deepseek_v3:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "specloop.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

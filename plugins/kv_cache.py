@@ -9,7 +9,7 @@ computes its whole prompt. A third-party policy registers under its own name and
 
 from __future__ import annotations
 
-from specloop.kernel.config import EngineConfig
+from specloop.kernel.config import EngineConfig, SpeculativeConfig
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.request import Request
 
@@ -31,6 +31,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.max_model_len = config.max_model_len
         self.enable_caching = enable_caching
+        spec = config.speculative_config
+        self._recompute_last_hit_block = isinstance(spec, SpeculativeConfig) and spec.reads_target_hidden_states
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
@@ -50,6 +52,8 @@ class PagedKVCache:
             if block is None:
                 break
             hit.append(block.block_id)
+        if hit and self._recompute_last_hit_block:  # see SpeculativeConfig.reads_target_hidden_states
+            hit.pop()
         return hit, len(hit) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,

@@ -61,8 +61,9 @@ class ProposerContext:
 
 @dataclass(slots=True)
 class ProposerInputs:
-    """One step's verified state, for the requests that sampled this step. Set by the model runner
-    in ``sample_tokens``, after rejection sampling; request ``i`` is ``req_ids[i]`` throughout."""
+    """One step's verified state, for the requests that sampled this step (and those that computed a
+    partial prefill chunk, for proposers with ``runs_on_prefill_chunks``). Set by the model runner in
+    ``sample_tokens``, after rejection sampling; request ``i`` is ``req_ids[i]`` throughout."""
 
     req_ids: list[str]
     # Prompt + committed output + this step's accepted tokens (the last one is the newest sample,
@@ -90,7 +91,8 @@ class ProposerInputs:
     hidden_states: torch.Tensor | None = None  # [num_step_tokens, H] final states (after the final norm)
     # One [num_step_tokens, H] per hidden_state_layers: the residual stream entering that layer.
     aux_hidden_states: tuple[torch.Tensor, ...] = ()
-    # Row of ``hidden_states`` whose logits produced each request's newest token.
+    # Row of ``hidden_states`` whose logits produced each request's newest token (-1: a partial
+    # prefill chunk, which sampled nothing).
     sampled_rows: np.ndarray | None = None  # [B]
     plan: SchedulerOutput | None = None
 
@@ -136,6 +138,10 @@ class Proposer(ABC):
     needs_hidden_states: bool = False
     # Target layers whose input stream goes to ProposerInputs.aux_hidden_states (EAGLE-3).
     hidden_state_layers: tuple[int, ...] = ()
+    # Also pass the requests whose step was a partial prefill chunk (they sample nothing this step:
+    # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions (MTP)
+    # builds it from every chunk's hidden states.
+    runs_on_prefill_chunks: bool = False
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config

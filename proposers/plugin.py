@@ -10,6 +10,8 @@ from specloop.kernel.hookspecs import Register, hookimpl
 def specloop_register_proposers(register: Register) -> None:
     register("ngram", "specloop.proposers.ngram:NgramProposer")
     register("draft_model", "specloop.proposers.draft_model:DraftModelProposer")
+    register("mtp", "specloop.proposers.mtp:MTPProposer")
+    register("deepseek_mtp", "specloop.proposers.mtp:MTPProposer")  # vLLM's name
     register("controlled", "specloop.proposers.controlled:ControlledProposer")
 
 

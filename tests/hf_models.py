@@ -24,6 +24,13 @@ COMMON: dict[str, Any] = dict(
     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.25, bos_token_id=1, eos_token_id=2,
 )
 
+DEEPSEEK: dict[str, Any] = dict(
+    num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+
 # name -> (transformers config class, model class, extra config)
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -33,6 +40,14 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                                        "rope_theta": 1000000.0})),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    # MLA with q LoRA, interleaved YaRN rotary, a dense first layer, then MoE with group-limited
+    # routing (2 of 4 groups) and a shared expert.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2,
+                                                                      rope_parameters=YARN)),
+    # No q LoRA, softmax routing over all experts, plain rotary.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(DEEPSEEK, q_lora_rank=None, topk_method="greedy",
+                                                                      norm_topk_prob=False,
+                                                                      n_shared_experts=2)),
 }
 
 
@@ -68,6 +83,10 @@ def build(name: str, root: str, seed: int = 0, overrides: dict[str, Any] | None 
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0.0, 0.5)
+        # DeepSeek-V3's router bias picks experts but does not weigh them: make it matter too.
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     path = os.path.join(root, name)
     model.save_pretrained(path, **save_kwargs)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -7,6 +7,7 @@ first so an unwritten element fails the comparison. Not collected by pytest (no 
 
 from __future__ import annotations
 
+import mla_moe_checks
 import torch
 
 from specloop.kernels.activation import silu_and_mul
@@ -71,6 +72,7 @@ ATTENTION_CASES = [
     (6, 2, 24, 8, [3, 1, 17], [10, 0, 33], 2),  # group of 3 (padded to 4), head_dim not a power of 2
     (2, 2, 16, 16, [70], [0], 1),  # one long prefill, several q-blocks
     (8, 1, 16, 4, [4, 4], [9, 0], 1),  # draft verification shape: 4 new tokens after a context
+    (16, 1, 16, 4, [2, 3], [5, 0], 1),  # a group of 16: short multi-token queries are one token per tile
 ]
 
 
@@ -250,7 +252,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     """Call every launcher with CPU tensors of the model shapes (qwen3-0.6b attention, bf16) and
     record each kernel launch as (kernel, arguments, launch options) instead of running it."""
     import specloop.kernels.activation as activation
+    import specloop.kernels.fused_moe as moe
     import specloop.kernels.kv_write as kv_write_mod
+    import specloop.kernels.mla_attention as mla
+    import specloop.kernels.mla_rope_cache as mla_rope
+    import specloop.kernels.moe_route as route
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -271,7 +277,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
-    modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling)
+    modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
+               moe, route)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -305,6 +312,19 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             activation.silu_and_mul(torch.randn(4, 6144, dtype=dtype))
             for w in (x[0, :128], None):
                 qk_rope.qk_rope_cache(qkv, 16, 8, torch.arange(4), cos, sin, kc, vc, torch.arange(4), w, w)
+            # DeepSeek-V3's MLA (the tiles do not depend on the head count), V2-Lite's experts.
+            qn, qr = torch.randn(4, 128, 512, dtype=dtype), torch.randn(4, 128, 64, dtype=dtype)
+            lat = torch.randn(8, 16, 576, dtype=dtype)
+            for max_q, splits in ((300, 1), (1, 1), (1, 8)):
+                mla.mla_attention(qn, qr, lat, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, num_splits=splits)
+            mla_rope.mla_rope_cache(qr, torch.randn(4, 576, dtype=dtype), torch.arange(4), cos[:, :32], sin[:, :32],
+                                    torch.ones(512, dtype=dtype), 1e-6, lat, torch.arange(4))
+            route.moe_route(torch.randn(4, 256), torch.randn(256), 8, 1, num_groups=8, topk_groups=4)  # V3
+            route.moe_route(torch.randn(4, 64), None, 6, 2, softmax=True, renormalize=False)  # V2-Lite
+            for tokens in (4, 512):
+                moe.fused_moe(torch.randn(tokens, 2048, dtype=dtype), torch.randn(64, 2816, 2048, dtype=dtype),
+                              torch.randn(64, 2048, 1408, dtype=dtype), torch.rand(tokens, 6),
+                              torch.randint(0, 64, (tokens, 6)))
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))
@@ -322,6 +342,7 @@ def check_compiles_for_hopper() -> None:
 
     launches = hopper_launches()
     assert len(launches) >= 16, f"only {len(launches)} launches recorded"
+    compiled_keys = set()
     for fn, args, options in launches:
         signature, constexprs, attrs = {}, {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -340,9 +361,16 @@ def check_compiles_for_hopper() -> None:
                     attrs[(i,)] = [["tt.divisibility", 16]]
             else:
                 signature[name] = "fp32"
+        key = (fn.__name__, repr(sorted(constexprs.items())), repr(signature), repr(sorted(attrs.items())),
+               repr(sorted(options.items())))
+        if key in compiled_keys:  # the same specialisation launched twice compiles to the same code
+            continue
+        compiled_keys.add(key)
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm.get("cubin"), f"{fn.__name__} produced no cubin"
+        # An H100/H200 block gets at most 227 KiB of shared memory; more fails only at launch.
+        assert compiled.metadata.shared <= 227 * 1024, f"{fn.__name__} needs {compiled.metadata.shared} bytes of smem"
 
 
 ALL_CHECKS = {
@@ -352,6 +380,7 @@ ALL_CHECKS = {
     "rotary": check_rotary,
     "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
+    **mla_moe_checks.CHECKS,
 }
 
 

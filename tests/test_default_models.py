@@ -1,5 +1,6 @@
 """The shipped default models (``default_models/``): files, tokenizer, loading by transformers, the
-DeepSeek-V3 MTP layer, greedy generation identical to transformers, and the draft model's acceptance."""
+DeepSeek-V3 MTP layer, greedy generation identical to transformers (the DeepSeek-V3 one too), and
+the draft model's acceptance (the MTP layer's: ``test_mtp.py``)."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def hf_greedy(model: Any, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-@pytest.mark.parametrize("name", [TARGET, DRAFT])
+@pytest.mark.parametrize("name", [TARGET, DRAFT, MTP])
 def test_greedy_continuations_match_transformers(name: str) -> None:
     tok = SpecloopTokenizer(str(SHIPPED / name))
     prompt_ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]

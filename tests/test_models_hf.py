@@ -31,7 +31,7 @@ def forward_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
     cfg = model.config
     blocks = -(-n // 4)
     backend = TorchAttentionBackend()
-    caches = [torch.zeros(backend.kv_cache_shape(blocks, 4, cfg.num_kv_heads, cfg.head_dim), dtype=model.lm_head.weight.dtype)
+    caches = [torch.zeros(cfg.kv_cache_shape(backend, blocks, 4), dtype=model.lm_head.weight.dtype)
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(torch.tensor([0, n]), torch.tensor([n]), torch.arange(n),
                              torch.arange(blocks, dtype=torch.int32)[None], n, n, [0, n], [n])
@@ -137,11 +137,11 @@ def test_errors_name_what_is_missing_or_unsupported(tmp_path: Any) -> None:
             json.dump({**hf, **changes}, f)
 
     write(architectures=["MistralForCausalLM"])
-    with pytest.raises(ModelLoadError, match="'MistralForCausalLM'.*supported: LlamaForCausalLM, "
-                                             "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ModelLoadError, match="'MistralForCausalLM'.*supported: DeepseekV2ForCausalLM, "
+                                             "DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(path, MODELS, "cpu", "auto")
     write(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0})
-    with pytest.raises(ModelLoadError, match="'longrope'.*supported: default, linear, llama3"):
+    with pytest.raises(ModelLoadError, match="'longrope'.*supported: default, linear, llama3, yarn"):
         read_model_config(path)
     write(hidden_act="gelu")
     with pytest.raises(ModelLoadError, match="hidden_act"):

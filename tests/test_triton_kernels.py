@@ -34,7 +34,7 @@ def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str 
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul"])
+                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")
 
@@ -49,7 +49,7 @@ def test_every_kernel_compiles_for_hopper() -> None:
 
 
 def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
-    # The whole gpu runner (persistent batch, prepare kernel, fused forward, fast sampler) on the
-    # CPU: same tokens as the torch runner through chunking, a prefix hit, a seeded sampled request
-    # and preemption. CUDA graphs need a GPU (test_gpu_backend.py).
-    _run("qwen3,llama", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
+    # The whole gpu runner (persistent batch, prepare kernel, fused forward, fast sampler; MLA and
+    # fused MoE for DeepSeek-V3) on the CPU: same tokens as the torch runner through chunking, a
+    # prefix hit, a seeded sampled request and preemption. CUDA graphs need a GPU (test_gpu_backend.py).
+    _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")

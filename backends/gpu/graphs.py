@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
-from specloop.kernels.paged_attention import choose_num_splits
 
 from ..batch import InputBatch
 from ..executor import EagerExecutor, ForwardOutput, GraphKey
@@ -40,12 +39,11 @@ class GraphExecutor:
     """The eager executor plus captured graphs, keyed by (q, padded request count)."""
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
-                 vocab_size: int, num_kv_heads: int, num_sms: int) -> None:
+                 vocab_size: int, choose_splits: Callable[[int, int], int]) -> None:
         self.eager = eager
         self.batch = batch
         self.q_lens = q_lens
-        self.num_kv_heads = num_kv_heads
-        self.num_sms = num_sms
+        self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
         self.sizes = capture_sizes(batch.max_reqs)
         self.max_tokens = min(batch.max_tokens, max(self.sizes) * max(q_lens))
         dtype = next(eager.model.parameters()).dtype
@@ -101,7 +99,7 @@ class GraphExecutor:
         pb.seq_lens[:size].fill_(q)
         pb.block_tables[:size].zero_()
         pb.slot_mapping[:tokens].fill_(-1)
-        splits = choose_num_splits(size, self.num_kv_heads, pb.max_len, self.num_sms)
+        splits = self.choose_splits(size, pb.max_len)
         self.splits[(q, size)] = splits
         meta = GpuAttentionMetadata(
             query_start_loc=pb.query_start_loc[:size + 1], seq_lens=pb.seq_lens[:size],

@@ -12,6 +12,7 @@ unless ``enforce_eager``; CUDA only, and only with the fused ops and no hidden-s
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from specloop.kernel.config import EngineConfig
@@ -52,15 +53,16 @@ class GpuPlatform:
         executor: EagerExecutor | GraphExecutor = eager
         if (self.cuda_graphs and self.fused and runner.device.type == "cuda" and not runner.aux_layers
                 and isinstance(runner.attn_backend, TritonAttentionBackend)):
-            mc = runner.model_config
+            mc, backend = runner.model_config, runner.attn_backend
             executor = GraphExecutor(eager, batch, [1] + ([k + 1] if k else []), mc.hidden_size, runner.vocab_size,
-                                     mc.num_kv_heads, runner.attn_backend.num_sms)
+                                     functools.partial(backend.decode_splits, mc))
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens))
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
-        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend):
+        dense = runner.model_config.mla is None  # the latent (MLA) kernel keeps its fixed tile
+        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and dense:
             max_len = (c.max_model_len or 2048) + c.num_lookahead_tokens + 1
             backend.tune_decode(runner.kv_caches[0], runner.model_config.num_heads, c.max_num_seqs,
                                 min(max_len, 1024))

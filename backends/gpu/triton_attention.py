@@ -1,6 +1,7 @@
 """The ``"triton"`` attention backend: the paged-attention interface of
 ``specloop.models.attention`` on the Triton kernels (KV write by slot mapping, then one ragged
-paged-attention launch for the whole batch)."""
+paged-attention launch for the whole batch), and its latent (MLA) counterpart over the latent
+cache."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from typing import Any
 import torch
 
 from specloop.models.attention import PAGED_KV_LAYOUT, AttentionMetadata
+from specloop.models.config import ModelConfig
 from specloop.kernels.kv_write import kv_write
+from specloop.kernels.mla_attention import BLOCK_N as MLA_BLOCK_N
+from specloop.kernels.mla_attention import head_blocks, mla_attention
 from specloop.kernels.paged_attention import choose_num_splits, paged_attention
 
 logger = logging.getLogger("specloop")
@@ -45,6 +49,12 @@ class TritonAttentionBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    def decode_splits(self, model_config: ModelConfig, num_seqs: int, max_seq_len: int) -> int:
+        """Flash-decoding splits for ``num_seqs`` sequences of up to ``max_seq_len`` tokens of this model."""
+        if model_config.mla is not None:
+            return choose_latent_splits(num_seqs, model_config.num_heads, max_seq_len, self.num_sms)
+        return choose_num_splits(num_seqs, model_config.num_kv_heads, max_seq_len, self.num_sms)
+
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
         if isinstance(meta, GpuAttentionMetadata) and meta.num_splits:
             return meta.num_splits
@@ -60,6 +70,25 @@ class TritonAttentionBackend:
         return paged_attention(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale=scale, max_query_len=meta.max_query_len,
                                num_splits=self.num_splits(meta, kv_cache.shape[3]), decode_config=self.decode_config)
+
+    def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, latent_dim)
+
+    def latent_num_splits(self, meta: AttentionMetadata, num_heads: int) -> int:
+        if isinstance(meta, GpuAttentionMetadata) and meta.num_splits:
+            return meta.num_splits
+        return choose_latent_splits(meta.num_reqs, num_heads, meta.max_seq_len, self.num_sms)
+
+    def forward_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(kv_cache.dtype))
+        return self.attend_latent(q_nope, q_rope, kv_cache, meta, scale)
+
+    def attend_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return mla_attention(q_nope, q_rope, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                             scale=scale, max_query_len=meta.max_query_len,
+                             num_splits=self.latent_num_splits(meta, q_nope.shape[1]))
 
     def tune_decode(self, kv_cache: torch.Tensor, num_q_heads: int, num_seqs: int, context: int) -> None:
         """Time each of :attr:`DECODE_CONFIGS` on a synthetic decode batch (``num_seqs`` sequences of
@@ -100,3 +129,8 @@ class TritonAttentionBackend:
         if timings:
             self.decode_config = min(timings, key=timings.get)
         self.decode_tuning = {f"block_n={c[0]} warps={c[1]} stages={c[2]}": t for c, t in timings.items()}
+
+
+def choose_latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Split-K for MLA decoding: programs are sequences x head blocks, tiles are MLA's."""
+    return choose_num_splits(num_seqs, head_blocks(num_heads), max_seq_len, num_sms, block_n=MLA_BLOCK_N)

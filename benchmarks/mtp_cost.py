@@ -1,0 +1,139 @@
+"""DeepSeek's latent KV cache and the MTP proposer's cost, on the DeepSeek-V2-Lite shape with one
+random MTP layer (``common.SHAPES["deepseek-v2-lite"]``).
+
+* KV bytes per token: ``(kv_lora_rank + qk_rope_head_dim) x layers x 2`` (bf16) for the latent
+  cache, read back from the engine's block size in bytes, next to what expanded K/V would take
+  (``heads x (qk_nope + qk_rope + v) x layers x 2``).
+* MTP step cost at batch 1: a 32-token prompt and ``--output-len`` greedy tokens (``ignore_eos``)
+  without speculation (ms per engine step), then with ``{"method": "mtp", "num_speculative_tokens":
+  1}``, timing each call of the proposer (device-synchronised: the layer over the step's verified
+  positions plus one draft). Ratio = median draft step / median target decode step. Random weights
+  accept few drafts, which does not change a step's cost; greedy outputs must be identical.
+
+    python benchmarks/mtp_cost.py --out out/bench            # H200
+    python benchmarks/mtp_cost.py --smoke                     # CPU, the tiny DeepSeek shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import SHAPES, base_args, build_checkpoint, environment, report, save  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_times(llm: Any, prompt: list[int], output_len: int, device: torch.device) -> list[float]:
+    """Seconds of every engine step of one request, driven like ``LLM.generate`` does."""
+    from specloop import SamplingParams
+    from specloop.kernel.request import Request
+
+    core = llm.core
+    core.add_requests([Request(f"r{time.monotonic_ns()}", prompt,
+                               SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))])
+    times, tokens = [], []
+    while core.has_unfinished_requests():
+        sync(device)
+        t = time.perf_counter()
+        out = core.step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+        tokens.extend(tok for o in out.outputs for tok in o.new_token_ids)
+        core.post_step()
+    step_times.tokens = tokens  # type: ignore[attr-defined]
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--shape", default="deepseek-v2-lite")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--smoke", action="store_true", help="the tiny DeepSeek shape, a few tokens (CPU check)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shape, args.output_len = "deepseek-tiny", 24
+    from specloop import LLM
+    from specloop.models.config import read_model_config
+
+    device = torch.device(args.device)
+    env = environment(device)
+    report("MTP cost: configuration", {**env, **vars(args)})
+    path = build_checkpoint(args.shape, args.ckpt_root, device)
+    cfg = read_model_config(path)
+    s = SHAPES[args.shape]
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).tolist()
+    engine = dict(skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
+                  max_num_seqs=4, gpu_memory_utilization=args.gpu_memory_utilization)
+
+    plain = LLM(path, **engine)
+    runner = plain.core.runner
+    size = runner.dtype.itemsize  # 2 in bf16 on the GPU; float32 on a CPU
+    latent = cfg.mla.latent_dim * cfg.num_layers * size
+    expanded = s["num_attention_heads"] * (s["qk_nope_head_dim"] + s["qk_rope_head_dim"] + s["v_head_dim"]) \
+        * cfg.num_layers * size
+    kv = {"dtype": str(runner.dtype), "latent KV bytes/token (formula)": latent,
+          "latent KV bytes/token (engine)": runner.kv_bytes_per_block() // runner.block_size,
+          "expanded K/V bytes/token": expanded, "expanded / latent": expanded / latent,
+          "KV blocks": plain.config.num_kv_blocks}
+    report("KV cache", kv)
+    step_times(plain, prompt, 8, device)  # warm-up
+    target = step_times(plain, prompt, args.output_len, device)
+    want = list(step_times.tokens)  # type: ignore[attr-defined]
+    plain.core.shutdown()
+    del plain, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
+    proposer = spec.core.runner.drafter.proposer
+    draft_times: list[float] = []
+    propose = proposer.propose
+
+    def timed(inputs: Any) -> Any:
+        sync(device)
+        t = time.perf_counter()
+        out = propose(inputs)
+        sync(device)
+        draft_times.append(time.perf_counter() - t)
+        return out
+
+    proposer.propose = timed
+    step_times(spec, prompt, 8, device)  # warm-up
+    draft_times.clear()
+    spec_steps = step_times(spec, prompt, args.output_len, device)
+    got = list(step_times.tokens)  # type: ignore[attr-defined]
+    metrics = spec.get_metrics()
+    decode = sorted(target[1:])  # the first step is the prefill
+    result = {
+        "target decode step ms (median)": 1e3 * float(np.median(decode)),
+        "MTP draft step ms (median)": 1e3 * float(np.median(draft_times[1:])),
+        "MTP / target step": float(np.median(draft_times[1:]) / np.median(decode)),
+        "spec engine step ms (median)": 1e3 * float(np.median(spec_steps[1:])),
+        "draft acceptance (random weights)": metrics.get("spec_acceptance_rate"),
+        "greedy identical": got == want,
+    }
+    report("MTP step cost, batch 1", result)
+    save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
+                                "result": result, "target_steps_s": target, "draft_steps_s": draft_times})
+    spec.core.shutdown()
+    if got != want:
+        raise SystemExit("greedy output with MTP differs from the output without it")
+
+
+if __name__ == "__main__":
+    main()

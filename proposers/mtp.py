@@ -1,0 +1,156 @@
+"""Multi-token prediction (MTP): DeepSeek-V3's own draft layers, stored in the target's checkpoint.
+
+``speculative_config={"method": "mtp", "num_speculative_tokens": K}`` (vLLM's ``"deepseek_mtp"``
+too); ``model`` defaults to the target's directory, where the layers live at
+``model.layers.{num_hidden_layers + j}`` (``models/deepseek_mtp.py``). The target's embedding and
+head are used in place (``ProposerContext``), never copied.
+
+Each step, for every request the target computed (a prompt chunk, a decode, a verification), the
+layer runs over every *verified* position ``p`` of the step: the embedding of token ``p + 1`` and the
+target's final hidden state at ``p``. That fills the layer's own latent KV cache, indexed by the
+target's block table, at exactly the positions whose target KV is valid, so it needs no bookkeeping
+of its own: rows of rejected drafts are skipped (``num_rejected``) and their slots overwritten
+later, a preempted or aborted request's cache goes with its blocks, and the scheduler keeps the last
+block of a prefix-cache hit to recompute (``SpeculativeConfig.reads_target_hidden_states``).
+
+The output at the newest verified position ``L - 2`` gives draft 1 (token ``L``). Draft ``k + 1``
+applies the layer again one position on, to draft ``k``'s embedding and its own previous output
+(vLLM's way with one MTP layer; with several layers, step ``k`` uses layer ``k mod n``). Those
+speculative cache rows sit past the verified positions and are rewritten by the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specloop.kernel.config import EngineConfig
+from specloop.models.attention import AttentionMetadata
+from specloop.models.config import read_model_config
+from specloop.models.context import ForwardContext
+from specloop.models.deepseek_mtp import DeepSeekMTP
+from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
+
+from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .draft_sampling import sample_drafts
+
+# Target architectures whose checkpoints carry MTP layers, and the module that runs them.
+MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
+
+
+class MTPProposer(Proposer):
+    needs_hidden_states = True
+    runs_on_prefill_chunks = True
+
+    def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
+        super().__init__(config, context)
+        spec = config.speculative_config
+        path = spec.model or config.model
+        cfg = read_model_config(path)
+        module = MTP_MODULES.get(cfg.architecture)
+        if module is None:
+            raise ValueError(f"speculative_config.method={spec.method!r}: {cfg.architecture} has no MTP layers "
+                             f"specloop can run (supported: {', '.join(sorted(MTP_MODULES))})")
+        if cfg.num_mtp_layers < 1:
+            raise ValueError(f"speculative_config.method={spec.method!r}: {path} has no MTP layer "
+                             "(num_nextn_predict_layers is 0)")
+        if (cfg.hidden_size, cfg.vocab_size) != (context.model_config.hidden_size, context.vocab_size):
+            raise ValueError(f"the MTP layers of {path} do not fit the target (hidden size, vocabulary)")
+        self.device, self.target_dtype = context.device, context.dtype
+        self.dtype = resolve_dtype(spec.draft_dtype, context.device) if spec.draft_dtype else context.dtype
+        self.model = build_empty(lambda: module(hf_config=cfg.hf), self.device, self.dtype)
+        first = cfg.num_layers
+
+        def mtp_tensor(name: str) -> bool:
+            match = re.match(r"model\.layers\.(\d+)\.", name)
+            return match is not None and int(match[1]) >= first
+
+        self.model.load_weights(iter_safetensors(safetensors_files(path), self.device, keep=mtp_tensor))
+        self.model.eval().requires_grad_(False)
+        self.num_layers = cfg.num_mtp_layers
+        self.cache_config = dataclasses.replace(cfg, num_layers=cfg.num_mtp_layers)  # shapes the layers' caches
+        self.embed_tokens = context.embed_tokens
+        self.lm_head = context.lm_head
+        self.attn_backend = context.attention_backend()
+        self.ops = context.ops
+        self.block_size = context.block_size
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.cache_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
+        drafts: list[list[int]] = [[] for _ in inputs.req_ids]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
+        with torch.inference_mode():
+            out, last_rows = self._run_verified(inputs)
+            live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
+            hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
+            for step in range(int(limits.max(initial=0))):
+                if step:  # the layer again, one position on: the previous draft and output
+                    keep = [k for k, i in enumerate(live) if limits[i] > step]
+                    live = [live[k] for k in keep]
+                    hidden = self._run_draft(inputs, live, step, [drafts[i][-1] for i in live],
+                                             hidden[torch.tensor(keep, device=self.device)])
+                norm_input = self.model.logits_input(hidden, self.ops, step % self.num_layers)
+                logits = self.lm_head(norm_input.to(self.target_dtype)).float()
+                tokens, q = sample_drafts(inputs, live, logits, drafts)
+                for k, i in enumerate(live):
+                    drafts[i].append(tokens[k])
+                    if q is not None and not inputs.sampling_params[i].greedy:
+                        probs[i].append(q[k])
+        # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
+        return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _run_verified(self, inputs: ProposerInputs) -> tuple[torch.Tensor, np.ndarray]:
+        """Every MTP layer over each request's verified rows of this step (the target's hidden
+        states). Returns layer 0's outputs and each request's row of its newest verified position."""
+        qsl = inputs.query_start_loc
+        rows, positions = [], []
+        for i in range(inputs.num_reqs):
+            r = np.arange(qsl[i], qsl[i + 1] - inputs.num_rejected[i])
+            rows.append(r)
+            positions.append(inputs.positions[r])
+        tokens = np.concatenate([t[p + 1] for t, p in zip(inputs.token_ids, positions)])  # one past each position
+        row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        target_hidden = inputs.hidden_states.index_select(0, row_index).to(self.dtype)
+        outs = [self._forward(inputs, range(inputs.num_reqs), positions, tokens, target_hidden, layer)
+                for layer in range(self.num_layers)]
+        return outs[0], np.cumsum([len(r) for r in rows]) - 1
+
+    def _run_draft(self, inputs: ProposerInputs, live: list[int], step: int, tokens: list[int],
+                   hidden: torch.Tensor) -> torch.Tensor:
+        """Draft step ``step`` >= 1 of each live request: position ``L - 2 + step``, whose next
+        token is the previous draft, continuing from the previous step's output."""
+        positions = [np.array([len(inputs.token_ids[i]) - 2 + step]) for i in live]
+        return self._forward(inputs, live, positions, np.array(tokens, dtype=np.int64), hidden,
+                             step % self.num_layers)
+
+    def _forward(self, inputs: ProposerInputs, reqs: Sequence[int], positions: list[np.ndarray], tokens: np.ndarray,
+                 hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """MTP layer ``layer`` at ``positions[k]`` of request ``reqs[k]`` (consecutive, writing its
+        cache there), reading ``tokens`` (one per position, packed) and ``hidden`` (likewise)."""
+        bs, dev = self.block_size, self.device
+        slots, seq_lens, qsl = [], [], [0]
+        for i, p in zip(reqs, positions):
+            blocks = np.asarray(inputs.block_ids[i], dtype=np.int64)
+            if p[-1] >= len(blocks) * bs:
+                raise RuntimeError(f"MTP position {int(p[-1])} of request {inputs.req_ids[i]!r} is past its "
+                                   f"{len(blocks)} KV blocks")
+            slots.append(blocks[p // bs] * bs + p % bs)
+            seq_lens.append(int(p[-1]) + 1)
+            qsl.append(qsl[-1] + len(p))
+        meta = AttentionMetadata.build(qsl, seq_lens, np.concatenate(slots).tolist(),
+                                       [inputs.block_ids[i] for i in reqs], dev)
+        embeds = self.embed_tokens(torch.from_numpy(tokens).to(dev)).to(self.dtype)
+        return self.model(embeds, torch.from_numpy(np.concatenate(positions)).to(dev), hidden,
+                          ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops), layer)

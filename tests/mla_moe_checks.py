@@ -1,0 +1,179 @@
+"""The MLA and fused-MoE Triton kernels against short PyTorch references, as plain functions of
+(device, dtype); part of ``kernel_checks.ALL_CHECKS`` (CPU under ``TRITON_INTERPRET=1`` in
+``test_triton_kernels.py``, CUDA at model shapes in ``test_gpu_backend.py``). Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specloop.kernels.fused_moe import fused_moe, sort_by_expert
+from specloop.kernels.moe_route import moe_route as moe_route_kernel
+from specloop.kernels.mla_attention import mla_attention
+from specloop.kernels.mla_rope_cache import mla_rope_cache
+from specloop.models.config import MoEConfig
+from specloop.models.ops import TorchOps
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "NaN in output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def reference_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, qsl: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per sequence in float64: gather the latent rows through the block table, score every head's
+    ``[q_nope | q_rope]`` against them (causal over the new tokens), average their ``c_kv``."""
+    rank, page = q_nope.shape[2], cache.shape[1]
+    flat = cache.reshape(-1, cache.shape[2]).double().cpu()
+    q = torch.cat([q_nope, q_rope], dim=-1).double().cpu()
+    out = torch.zeros(q_nope.shape, dtype=torch.float64)
+    for s in range(seq_lens.shape[0]):
+        a, b, n = int(qsl[s]), int(qsl[s + 1]), int(seq_lens[s])
+        keys = torch.arange(n)
+        rows = flat[block_table[s].cpu().long()[keys // page] * page + keys % page]
+        scores = torch.einsum("qhd,kd->hqk", q[a:b], rows) * scale
+        pos = n - (b - a) + torch.arange(b - a)
+        scores = scores.masked_fill(keys[None, None, :] > pos[None, :, None], float("-inf"))
+        out[a:b] = torch.einsum("hqk,kd->qhd", scores.softmax(-1), rows[:, :rank])
+    return out
+
+
+# (heads, kv_lora_rank, rope dim, page size, new tokens per sequence, cached tokens per sequence, splits)
+MLA_CASES = [
+    (4, 32, 16, 16, [1, 5, 1, 20], [40, 0, 70, 3], 1),  # decode + prefill + chunk after a prefix
+    (4, 32, 16, 16, [1, 1, 1], [100, 7, 300], 4),  # split-K decoding, one split past a short context
+    (3, 24, 8, 8, [3, 1, 17], [10, 0, 33], 2),  # padded heads, rank and rope dim
+    (20, 16, 16, 4, [4, 4], [9, 0], 1),  # two head blocks; verification shape
+]
+
+
+def check_mla_attention(device: str, dtype: torch.dtype, cases: list | None = None) -> None:
+    for heads, rank, rope, page, q_lens, ctx, splits in cases or MLA_CASES:
+        seq_lens = torch.tensor([q + c for q, c in zip(q_lens, ctx)], dtype=torch.int32)
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        max_blocks = -(-int(seq_lens.max()) // page)
+        num_blocks = len(q_lens) * max_blocks + 3
+        table = torch.randperm(num_blocks)[:len(q_lens) * max_blocks].view(len(q_lens), max_blocks).int()
+        cache = torch.randn(num_blocks, page, rank + rope, dtype=dtype)
+        q = torch.randn(int(qsl[-1]), heads, rank + rope + 5, dtype=dtype)  # strided views, as in the model
+        q_nope, q_rope = q[:, :, :rank], q[:, :, rank:rank + rope]
+        scale = (rank + rope) ** -0.5
+        to = lambda t: t.to(device)  # noqa: E731
+        out = torch.full((q.shape[0], heads, rank), float("nan"), dtype=dtype, device=device)
+        mla_attention(to(q_nope), to(q_rope), to(cache), to(qsl), to(seq_lens), to(table), scale=scale,
+                      max_query_len=max(q_lens), num_splits=splits, out=out)
+        err = rel_err(out, reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale))
+        assert err < TOL[dtype], f"mla case {heads, rank, rope, page, q_lens, ctx, splits}: rel err {err:.2e}"
+
+
+def check_mla_rope_cache(device: str, dtype: torch.dtype) -> None:
+    from kernel_checks import reference_rms_norm, reference_rotary, rope_tables
+
+    tokens, heads, nope, rank, rope, num_blocks, page = 6, 3, 8, 24, 16, 5, 4
+    cos, sin = rope_tables(64, rope, 10000.0)
+    positions, slots = torch.tensor([0, 1, 7, 63, 20, 3]), torch.tensor([5, 0, 17, -1, 9, 2])
+    q = torch.randn(tokens, heads, nope + rope, dtype=dtype)
+    proj = torch.randn(tokens, 10 + rank + rope, dtype=dtype)  # [q_a | c_kv | k_rope], as the fused projection
+    latent, weight = proj[:, 10:], torch.randn(rank, dtype=dtype)
+    cache = torch.randn(num_blocks, page, rank + rope, dtype=dtype)
+    want_q = reference_rotary(q[:, :, nope:], positions, cos, sin)
+    k = reference_rotary(latent[:, None, rank:], positions, cos, sin)[:, 0]
+    want_cache = cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want_cache.view(-1, rank + rope)[s] = torch.cat([reference_rms_norm(latent[t, :rank], weight, 1e-6), k[t]])
+    to = lambda t: t.to(device)  # noqa: E731
+    q_d, proj_d, cache_d = to(q), to(proj), to(cache)
+    mla_rope_cache(q_d[:, :, nope:], proj_d[:, 10:], to(positions), to(cos), to(sin), to(weight), 1e-6, cache_d,
+                   to(slots))
+    assert rel_err(q_d[:, :, nope:], want_q) < TOL[dtype], "q_rope differs"
+    assert torch.equal(q_d[:, :, :nope].cpu(), q[:, :, :nope]), "the kernel touched q_nope"
+    assert rel_err(cache_d, want_cache) < TOL[dtype], "latent cache rows differ"
+
+
+def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                  ) -> torch.Tensor:
+    """Expert by expert in float64: the tokens that picked it, weighted by their routing weight."""
+    x, ids, weights = x.double().cpu(), ids.cpu(), weights.double().cpu()
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[token] @ w13[e].double().cpu().T
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].double().cpu().T
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+# (tokens, hidden, expert intermediate, experts, top_k)
+MOE_CASES = [(5, 64, 48, 8, 2), (1, 32, 16, 4, 3), (150, 32, 40, 4, 2)]  # the last sorts in blocks of 64
+
+
+def check_fused_moe(device: str, dtype: torch.dtype, cases: list | None = None) -> None:
+    for tokens, hidden, inter, experts, top_k in cases or MOE_CASES:
+        x = torch.randn(tokens, hidden, dtype=dtype)
+        w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, dtype=dtype) / inter ** 0.5
+        ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k)
+        to = lambda t: t.to(device)  # noqa: E731
+        out = fused_moe(to(x), to(w13), to(w2), to(weights), to(ids))
+        err = rel_err(out, reference_moe(x, w13, w2, weights, ids))
+        assert err < TOL[dtype], f"fused_moe case {tokens, hidden, inter, experts, top_k}: rel err {err:.2e}"
+    # The sort: every pair exactly once, each block's pairs all routed to that block's expert.
+    ids = torch.tensor([[3, 1], [1, 0], [3, 2], [1, 3]], device=device)
+    sorted_pairs, block_expert, num_sorted = sort_by_expert(ids, 6, 4)
+    pairs, blocks = sorted_pairs.cpu().view(-1, 4), block_expert.cpu()
+    assert int(num_sorted) == 16 and sorted(p for p in pairs.flatten().tolist() if p < 8) == list(range(8))
+    for b, expert in enumerate(blocks.tolist()):
+        real = [p for p in pairs[b].tolist() if p < 8]
+        assert (expert == -1) == (b >= 4) and all(int(ids.view(-1)[p]) == expert for p in real), (b, expert, real)
+
+
+def reference_route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return TorchOps().moe_route(logits, bias, moe)
+
+
+def moe_config(experts: int, top_k: int, shared: int, scoring: str, method: str, groups: int, topk_groups: int,
+               renorm: bool, scale: float) -> MoEConfig:
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=8, num_shared_experts=shared,
+                     first_dense_layers=0, layer_freq=1, scoring=scoring, topk_method=method, num_groups=groups,
+                     topk_groups=topk_groups, norm_topk_prob=renorm, routed_scaling_factor=scale)
+
+
+ROUTE_CASES = [
+    moe_config(8, 2, 1, "sigmoid", "noaux_tc", 4, 2, True, 2.5),  # the tests' DeepSeek-V3
+    moe_config(256, 8, 1, "sigmoid", "noaux_tc", 8, 4, True, 2.5),  # DeepSeek-V3
+    moe_config(64, 6, 2, "softmax", "greedy", 1, 1, False, 1.0),  # DeepSeek-V2-Lite
+    moe_config(16, 3, 0, "softmax", "group_limited_greedy", 4, 2, True, 1.0),  # DeepSeek-V2
+]
+
+
+def check_moe_route(device: str, dtype: torch.dtype) -> None:
+    """The kernel picks the reference's experts (as sets) with the reference's weights. Routing is
+    float32 whatever the model's dtype, so only the float32 run checks anything."""
+    if dtype != torch.float32:
+        return
+    for moe in ROUTE_CASES:
+        logits = torch.randn(9, moe.num_experts) * 2
+        bias = torch.randn(moe.num_experts) * 0.3 if moe.topk_method == "noaux_tc" else None
+        want_w, want_ids = reference_route(logits, bias, moe)
+        to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        got_w, got_ids = (t.cpu() for t in moe_route_kernel(
+            to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+            num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
+            group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
+            scale=moe.routed_scaling_factor))
+        for t in range(logits.shape[0]):
+            want = dict(zip(want_ids[t].tolist(), want_w[t].tolist()))
+            got = dict(zip(got_ids[t].tolist(), got_w[t].tolist()))
+            assert want.keys() == got.keys(), (moe, t, sorted(want), sorted(got))
+            assert all(abs(want[k] - got[k]) < 1e-5 for k in want), (moe, t, want, got)
+
+
+CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe,
+          "moe_route": check_moe_route}
