@@ -356,17 +356,21 @@ async def test_engine_fuzz_with_cancellations_aborts_and_preemption(case: str) -
 
 # --- regressions the fuzzers found ---------------------------------------------------------------
 
-def test_seeds_beyond_int64_with_speculative_decoding() -> None:
-    """A seed of 2**64 - 1 (valid JSON, valid SamplingParams) once overflowed the proposer's int64
-    seed array and killed the engine; a seed means its low 64 bits."""
+def test_seeds_at_the_ends_of_int64_with_speculative_decoding() -> None:
+    """A seed of 2**64 - 1 once overflowed the proposer's int64 seed array and killed the engine;
+    then it was taken as its low 64 bits (silently negative). Seeds are int64s: the extremes work
+    with n > 1 (whose children's seeds run past them) and drafting on, and anything beyond is refused."""
     llm = LLM(model_dir(), device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=40,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     prompt = {"prompt_token_ids": [9, 10, 11, 9, 10, 11, 9, 10]}
-    outs = [llm.generate(prompt, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=seed),
-                         use_tqdm=False)[0] for seed in (2**64 - 1, -1)]
-    assert [len(c.token_ids) for c in outs[0].outputs] == [12, 12]
-    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    for seed in (2**63 - 1, -2**63):
+        out = llm.generate(prompt, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=seed),
+                           use_tqdm=False)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [12, 12]
     assert llm.core.kv_cache.num_free_blocks == llm.core.kv_cache.num_blocks - 1
+    for seed in (2**63, 2**64 - 1, -2**63 - 1, 2**70, True):
+        with pytest.raises(ValueError, match=r"^seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            SamplingParams(seed=seed)
 
 
 @pytest.mark.parametrize("params", [
