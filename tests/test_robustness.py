@@ -188,7 +188,7 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["top_p"] = rng.choice([1.0, 0.9, 0.3])
         kw["min_p"] = rng.choice([0.0, 0.1])
         if rng.random() < 0.7:
-            kw["seed"] = rng.randint(0, 2**64 - 1)
+            kw["seed"] = rng.randint(-2**63, 2**63 - 1)
     if rng.random() < 0.3:
         kw["stop"] = rng.sample(STOP_WORDS, rng.randint(1, 3))
         kw["include_stop_str_in_output"] = rng.random() < 0.5
@@ -540,7 +540,7 @@ def extreme_value(rng: random.Random, name: str, vocab: int) -> Any:
     """A value at the edge of what field ``name`` accepts (None when the field has no such edge)."""
     choices: dict[str, list[Any]] = {
         "temperature": [0, 1e-6, 1e-5, 2, 100, 1e38, 1e300], "top_p": [1e-300, 1e-9, 1],
-        "top_k": [-1, 1, vocab, 2**63 - 1], "min_p": [0.999, 1], "seed": [0, -2**63, 2**64 - 1],
+        "top_k": [-1, 1, vocab, 2**63 - 1], "min_p": [0.999, 1], "seed": [0, -2**63, 2**63 - 1],
         "presence_penalty": [-2, 2], "frequency_penalty": [-2, 2], "repetition_penalty": [1e-300, 1e-38, 2],
         "n": [2, 16], "stop": [["\n"], ["😀", " "], ["e", "a" * 1000] + [f"s{i}" for i in range(62)]],
         "stop_token_ids": [[0, 1, 2, 3, 4], list(range(vocab - 64, vocab))], "ignore_eos": [True],
