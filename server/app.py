@@ -79,7 +79,8 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     on shutdown, aborts what is in flight and shuts the engine down.
 
     :param served_model_name: the name(s) clients use in ``model``; default: the engine's model name.
-    :param api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+    :param api_key: when set, ``/v1`` routes, ``/tokenize`` and ``/detokenize`` need
+        ``Authorization: Bearer <api_key>``.
     :param limits: limits against abuse (body size, ``n``, prompts per request, prompt length).
     :param plugins: where routes come from; default: the engine's plugin manager.
     """
