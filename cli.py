@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specloop.frontend.engine_args import add_engine_args, engine_kwargs
 
@@ -27,6 +27,28 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1-65535, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1-65535, got {port}")
+    return port
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, got {text}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specloop", description="specloop LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,20 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_path", nargs="?", default=None,
                        help="local Hugging Face model directory (default: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 16 MiB)")
-    serve.add_argument("--max-n", type=int, default=None, help="largest 'n' per request (default 16)")
-    serve.add_argument("--max-prompts", type=int, default=None, help="most prompts per completions request (default 64)")
-    serve.add_argument("--max-prompt-tokens", type=int, default=None,
+    count, seconds = _positive(int), _positive(float)
+    serve.add_argument("--max-body-bytes", type=count, default=None, help="largest request body (default 16 MiB)")
+    serve.add_argument("--max-n", type=count, default=None, help="largest 'n' per request (default 16)")
+    serve.add_argument("--max-prompts", type=count, default=None,
+                       help="most prompts per completions request (default 64)")
+    serve.add_argument("--max-prompt-tokens", type=count, default=None,
                        help="longest prompt in tokens (default: max_model_len - 1)")
-    serve.add_argument("--max-stop-strings", type=int, default=None,
+    serve.add_argument("--max-stop-strings", type=count, default=None,
                        help="most different stop strings per request (default 64)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine core (scheduler, model, busy loop) in its own process, apart from "
                             "HTTP, tokenization and detokenization (default: on)")
+    serve.add_argument("--max-stop-string-length", type=count, default=None,
+                       help="longest stop string in characters (default 1024)")
+    serve.add_argument("--max-messages", type=count, default=None, help="most messages per chat request (default 4096)")
+    serve.add_argument("--request-header-timeout", type=seconds, default=None,
+                       help="seconds a client has to send a request's head (default 10)")
+    serve.add_argument("--request-body-timeout", type=seconds, default=None,
+                       help="seconds a client has to send a request's body once its head is in (default 60)")
+    serve.add_argument("--max-connections", type=count, default=None,
+                       help="most open client connections (default: 3/4 of the open-file limit beyond 128)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text for prompts and stream it to the terminal")

@@ -1,8 +1,10 @@
 """``AsyncEngine``: the streaming API the HTTP server is built on.
 
-Requests are validated and tokenized in the caller's coroutine, their output queue is registered
-with the core before they are enqueued (invariant 1), and each request's outputs are detokenized in
-its own ``generate`` coroutine, so a slow or cancelled client never holds up the busy loop.
+Requests are validated and tokenized in the caller's coroutine (on a worker thread when the prompt
+or the stop strings are large, so no request stalls the event loop), their output queue is
+registered with the core before they are enqueued (invariant 1), and each request's outputs are
+detokenized in its own ``generate`` coroutine, so a slow or cancelled client never holds up the
+busy loop.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from specloop.kernel.plugins import PluginManager
 from specloop.kernel.request import FinishReason
 from specloop.kernel.sampling_params import SamplingParams
 
-from .input_processor import PromptType
+from .input_processor import PromptType, prompt_size
 from .engine_builder import build_engine, make_config
 from .engine_process import EngineProcessClient
 from .output_processor import EngineStats, RequestTracker
 from .request_output import RequestOutput
 from .tokenizer import Tokenizer
+
+# Prompts (characters or token ids) and stop strings (characters) past which a request is prepared
+# on a worker thread: below them preparing takes well under a millisecond.
+_INLINE_PROMPT_SIZE = 8192
+_INLINE_STOP_CHARS = 1024
 
 
 class AsyncEngine:
@@ -120,13 +127,14 @@ class AsyncEngine:
         Cancelling the consuming task, or closing the generator early, aborts the request (all
         ``n`` completions) in the core.
         """
-        prompt_text, prompt_ids = self.processor.parse(prompt)
-        self.validate(prompt_ids, params)
-        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
+        if prompt_size(prompt) > _INLINE_PROMPT_SIZE or sum(map(len, getattr(params, "stop", ()))) > _INLINE_STOP_CHARS:
+            state = await asyncio.to_thread(self._prepare, prompt, params, request_id, priority)
+        else:
+            state = self._prepare(prompt, params, request_id, priority)
+        requests = state.requests
         await self.start()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state = RequestTracker(request_id, prompt_text, requests, self.tokenizer)
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         added: list[str] = []
         try:
@@ -159,6 +167,14 @@ class AsyncEngine:
             self._states.pop(request_id, None)
             self._queues.pop(request_id, None)
             self.stats.record_finished(state)
+
+    def _prepare(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int) -> RequestTracker:
+        """Tokenize, validate, and build the request's core requests and its tracker (the
+        detokenizers and the stop-string automaton)."""
+        prompt_text, prompt_ids = self.processor.parse(prompt)
+        self.validate(prompt_ids, params)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
+        return RequestTracker(request_id, prompt_text, requests, self.tokenizer)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its completions); its ``generate`` stream ends with ``finish_reason="abort"``.

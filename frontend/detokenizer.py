@@ -9,7 +9,9 @@ Text is released only when it is stable:
   space) see the same context in both and the difference is exact.
 * **Stop strings**: the longest tail of the text that is a proper prefix of some stop string is held
   back, since the next token may complete it. On a match the text is cut before the stop string (or
-  after it with ``include_stop_str_in_output``) and the completion ends.
+  after it with ``include_stop_str_in_output``) and the completion ends. Both come from one
+  automaton over the stop strings (:mod:`specloop.frontend.stop_strings`), so each character of
+  output costs the same however long the stop strings are.
 
 The concatenation of everything released is ``decode(prompt + output)`` minus the prompt's text,
 cut at the stop string if one matched. A character split across the prompt/output boundary belongs
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING
 
 from specloop.kernel.sampling_params import SamplingParams
 
+from .stop_strings import StopScanner, StopStrings
+
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
@@ -34,12 +38,18 @@ _MAX_SPLIT_TOKENS = 3
 
 
 class IncrementalDetokenizer:
-    """Turns one completion's token ids into text deltas, matching stop strings on the way."""
+    """Turns one completion's token ids into text deltas, matching stop strings on the way.
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    :param stops: the automaton over ``params.stop``, when the caller shares one between the
+        completions of a request; built here otherwise.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 stops: StopStrings | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
+        self._scanner = StopScanner(stops or StopStrings(self.stop)) if self.stop else None
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens  # stop strings count only after this many tokens (as vLLM)
         self.num_tokens = 0
@@ -90,62 +100,44 @@ class IncrementalDetokenizer:
                 self._prompt_tail = ""
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
-            old_len = len(self.output_text)
-            self.output_text += delta
-            if self.stop and self.num_tokens > self.min_tokens and self._match_stop(old_len):
+            if self._append(delta):
                 return i + 1
             self._released = len(self.output_text) - self._held_back()
         return None
 
-    def _match_stop(self, old_len: int) -> bool:
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            at = self.output_text.find(stop, max(0, old_len - len(stop) + 1))
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
+    def _append(self, delta: str) -> bool:
+        """Add released-to-be text; True when it completed a stop string (the text is then cut)."""
+        old_len = len(self.output_text)
+        self.output_text += delta
+        if self._scanner is None:
             return False
-        at, stop = best
-        self.stop_reason = stop
+        # Stop strings count only once more than min_tokens tokens are out; the scanner still
+        # follows the text before that, so a stop string may start there.
+        found = self._scanner.read(delta, old_len, report=self.num_tokens > self.min_tokens)
+        if found is None:
+            return False
+        at, index = found
+        stop = self.stop_reason = self._scanner.automaton.stops[index]
         self.output_text = self.output_text[:at + len(stop) if self.include_stop else at]
         self._released = len(self.output_text)
         return True
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that could still grow into a stop string."""
-        if not self.stop or self.include_stop:
+        if self._scanner is None or self.include_stop:
             return 0
-        text, held = self.output_text, 0
-        if not text:
-            return 0
-        last = text[-1]
-        for stop in self.stop:
-            k = min(len(stop) - 1, len(text))
-            while k > held:
-                # A prefix of the stop string that ends the text ends with the text's last character:
-                # jump to the next such prefix (in C) instead of trying every length.
-                k = stop.rfind(last, 0, k) + 1
-                if k <= held:
-                    break
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
-                k -= 1
-        return held
+        return self._scanner.held
 
     def finish(self) -> None:
         """No more tokens will come: release whatever was held back, broken characters included."""
         if self.stop_reason is None:
-            old_len = len(self.output_text)
             rest = self._decode(self._prefix_offset)[len(self._prefix_text):]
             if self._prompt_tail:
                 rest = rest[_common_prefix_len(rest, self._prompt_tail):]
                 self._prompt_tail = ""
-            self.output_text += rest
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = ""
-            if self.stop and self.num_tokens > self.min_tokens:
-                self._match_stop(old_len)
+            self._append(rest)
         self._released = len(self.output_text)
 
     @property

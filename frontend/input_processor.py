@@ -16,6 +16,13 @@ from .tokenizer import Tokenizer
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
+def prompt_size(prompt: Any) -> int:
+    """Characters or token ids in a prompt, without tokenizing it (0 for what is not a prompt)."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids") or prompt.get("prompt")
+    return len(prompt) if isinstance(prompt, (str, list, tuple)) else 0
+
+
 def child_request_id(index: int, request_id: str) -> str:
     """The core's id for completion ``index`` of a request with ``n > 1`` (vLLM's spelling)."""
     return f"{index}_{request_id}"

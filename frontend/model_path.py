@@ -28,6 +28,9 @@ def resolve_model(path: str | None) -> str:
                 "tokenizer.json), e.g. `--model /path/to/Qwen2.5-0.5B-Instruct` or LLM(model=...)")
         return found
     expanded = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(expanded):
+        raise FileNotFoundError(f"{path!r} is a file; pass the model directory that holds config.json, the "
+                                f"weights and the tokenizer ({os.path.dirname(expanded)!r})")
     if not os.path.isdir(expanded):
         raise FileNotFoundError(f"model directory {path!r} does not exist; specloop loads models from local "
                                 "Hugging Face directories only and never downloads them")

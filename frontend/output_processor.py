@@ -14,6 +14,7 @@ from specloop.kernel.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, NullDetokenizer
 from .request_output import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from .stop_strings import StopStrings
 from .tokenizer import Tokenizer
 
 
@@ -23,15 +24,19 @@ def _wall_time(monotonic_t: float | None) -> float | None:
 
 
 class CompletionTracker:
-    """One completion (one core request) of a parent request."""
+    """One completion (one core request) of a parent request.
 
-    def __init__(self, index: int, request: Request, tokenizer: Tokenizer | None) -> None:
+    :param stops: the automaton over the request's stop strings, shared by its completions.
+    """
+
+    def __init__(self, index: int, request: Request, tokenizer: Tokenizer | None,
+                 stops: StopStrings | None = None) -> None:
         self.index = index
         self.request = request
         self.params: SamplingParams = request.sampling_params
         self.tokenizer = tokenizer
         self.detokenizer: IncrementalDetokenizer | NullDetokenizer = (
-            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, self.params) if tokenizer is not None
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, self.params, stops) if tokenizer is not None
             else NullDetokenizer())
         self.token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = [] if self.params.logprobs is not None else None
@@ -115,7 +120,9 @@ class RequestTracker:
         self.prompt = prompt
         self.prompt_token_ids = requests[0].prompt_token_ids
         self.requests = requests
-        self.completions = {r.request_id: CompletionTracker(i, r, tokenizer) for i, r in enumerate(requests)}
+        stop = requests[0].sampling_params.stop
+        stops = StopStrings(stop) if stop and tokenizer is not None else None
+        self.completions = {r.request_id: CompletionTracker(i, r, tokenizer, stops) for i, r in enumerate(requests)}
         self.tokenizer = tokenizer
         wants_prompt_logprobs = requests[0].sampling_params.prompt_logprobs is not None
         self.prompt_logprobs: PromptLogprobs | None = [] if wants_prompt_logprobs else None

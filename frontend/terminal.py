@@ -25,7 +25,7 @@ def run_generate(args: argparse.Namespace, engine_args: dict[str, Any], out: Tex
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed)
         engine = AsyncEngine.from_engine_args(args.model_path, **engine_args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"specloop generate: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import jinja2
@@ -16,6 +16,10 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+# Past this many characters (or ids) the batch entry points are used: they release the GIL while the
+# Rust side works, so tokenizing on a worker thread does not stall the event loop's thread.
+_RELEASE_GIL_SIZE = 4096
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -30,8 +34,11 @@ def _token_content(value: Any) -> str | None:
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as e:  # bad JSON or bad UTF-8
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -107,7 +114,10 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path!r}; pass a directory with a Hugging Face fast "
                                     "tokenizer, or skip_tokenizer_init=True to use token-id prompts")
         self.path = path
-        self._tok = _HFTokenizer.from_file(tokenizer_file)
+        try:
+            self._tok = _HFTokenizer.from_file(tokenizer_file)
+        except Exception as e:  # the library raises a bare Exception with the parser's message
+            raise ValueError(f"{tokenizer_file} is not a valid tokenizer file: {e}") from None
         config = _read_json(os.path.join(path, "special_tokens_map.json"))
         config.update(_read_json(os.path.join(path, "tokenizer_config.json")))
         self.config = config
@@ -173,8 +183,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters in the longest token (added tokens included). Each token of a byte-level BPE
+        or SentencePiece vocabulary stands for at most that many characters of text, so a text longer
+        than ``n * max_token_chars`` cannot tokenize to ``n`` tokens or fewer."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _RELEASE_GIL_SIZE:
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens:
             if self._fix_bos == 1 and (not ids or ids[0] != self.bos_token_id):
                 ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
@@ -187,6 +207,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > _RELEASE_GIL_SIZE:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:

@@ -87,7 +87,9 @@ class SamplingParams:
         check(self.prompt_logprobs is None
               or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}.")
-        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}.")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                    and -(1 << 63) <= self.seed < 1 << 63), "seed",
+              f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}.")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers.")

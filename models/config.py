@@ -172,15 +172,40 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+_REQUIRED = object()
+
+
+def _number(hf: dict[str, Any], name: str, kind: type, default: Any, source: str) -> Any:
+    """``hf[name]`` checked to be a ``kind`` (an int also passes as a float; a bool as neither)."""
+    value = hf.get(name, default) if default is not _REQUIRED else hf.get(name, _REQUIRED)
+    if value is _REQUIRED:
+        raise ModelLoadError(f"{source} lacks required field {name!r}")
+    if value is None and default is None:
+        return None
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool):
+        raise ModelLoadError(f"{source}: field {name!r} must be {'an integer' if kind is int else 'a number'}, "
+                             f"got {value!r}")
+    return kind(value)
+
+
+def _size(hf: dict[str, Any], name: str, source: str, default: Any = _REQUIRED) -> int:
+    value = _number(hf, name, int, default, source)
+    if value is not None and value < 1:
+        raise ModelLoadError(f"{source}: field {name!r} must be >= 1, got {value}")
+    return value
+
+
+def _eos_ids(value: Any, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    ids = [value] if not isinstance(value, list) else value
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise ModelLoadError(f"{source}: field 'eos_token_id' must be an integer or a list of integers, got {value!r}")
+    return tuple(ids)
 
 
-def parse_rope(hf: dict[str, Any]) -> RopeConfig:
+def parse_rope(hf: dict[str, Any], source: str = "config.json") -> RopeConfig:
     """Normalise ``rope_parameters`` (current transformers) or ``rope_theta`` + ``rope_scaling``
     (older checkpoints) into a :class:`RopeConfig`."""
     params = hf.get("rope_parameters")
@@ -189,24 +214,27 @@ def parse_rope(hf: dict[str, Any]) -> RopeConfig:
     if params is None:
         params = dict(hf.get("rope_scaling") or {})
         params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{source}: field 'rope_parameters' / 'rope_scaling' must be an object, got {params!r}")
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    where = f"{source} (rope parameters)"
     return RopeConfig(
-        theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        theta=_number(params, "rope_theta", float, _number(hf, "rope_theta", float, 10000.0, source), where),
         rope_type=rope_type,
-        factor=float(params.get("factor") or _yarn_default_factor(hf, params, rope_type)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings")
-        or hf.get("max_position_embeddings"),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=_opt_float(params.get("mscale")),
-        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
-        attention_factor=_opt_float(params.get("attention_factor")),
+        factor=_number(params, "factor", float, None, where) or _yarn_default_factor(hf, params, rope_type),
+        low_freq_factor=_number(params, "low_freq_factor", float, 1.0, where),
+        high_freq_factor=_number(params, "high_freq_factor", float, 4.0, where),
+        original_max_position_embeddings=_number(params, "original_max_position_embeddings", int, None, where)
+        or _number(hf, "max_position_embeddings", int, None, source),
+        beta_fast=_number(params, "beta_fast", float, None, where) or 32.0,
+        beta_slow=_number(params, "beta_slow", float, None, where) or 1.0,
+        mscale=_number(params, "mscale", float, None, where),
+        mscale_all_dim=_number(params, "mscale_all_dim", float, None, where),
+        attention_factor=_number(params, "attention_factor", float, None, where),
         truncate=bool(params.get("truncate", True)),
     )
 
@@ -219,41 +247,44 @@ def _yarn_default_factor(hf: dict[str, Any], params: dict[str, Any], rope_type: 
     return 1.0
 
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def parse_hf_config(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
-    """Build a :class:`ModelConfig` from a ``config.json`` dict."""
+def parse_hf_config(hf: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
+                    source: str = "config.json", generation_source: str = "generation_config.json") -> ModelConfig:
+    """Build a :class:`ModelConfig` from a ``config.json`` dict; every problem is a
+    :class:`ModelLoadError` naming the file (``source``) and the field."""
     archs = hf.get("architectures") or []
-    if not archs:
-        raise ModelLoadError("config.json has no 'architectures' entry")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise ModelLoadError(f"{source} has no 'architectures' entry (a list of class names)")
+    hidden = _size(hf, "hidden_size", source)
+    num_heads = _size(hf, "num_attention_heads", source)
+    tie = hf.get("tie_word_embeddings", False)  # Llama's and Qwen's config classes default to untied heads
+    if not isinstance(tie, bool):
+        raise ModelLoadError(f"{source}: field 'tie_word_embeddings' must be true or false, got {tie!r}")
+    eos = (generation_config or {}).get("eos_token_id")
     try:
-        hidden = int(hf["hidden_size"])
-        num_heads = int(hf["num_attention_heads"])
-        cfg = ModelConfig(
-            architecture=archs[0],
-            hidden_size=hidden,
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            intermediate_size=int(hf["intermediate_size"]),
-            vocab_size=int(hf["vocab_size"]),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=parse_rope(hf),
-            max_position_embeddings=hf.get("max_position_embeddings"),
-            # Llama's and Qwen's config classes default to untied heads.
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids((generation_config or {}).get("eos_token_id", hf.get("eos_token_id"))),
-            bos_token_id=hf.get("bos_token_id"),
-            mla=parse_mla(hf) if "kv_lora_rank" in hf else None,
-            moe=parse_moe(hf, archs[0]) if hf.get("n_routed_experts") else None,
-            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
-            hf=hf,
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+        mla = parse_mla(hf) if "kv_lora_rank" in hf else None
+        moe = parse_moe(hf, archs[0]) if hf.get("n_routed_experts") else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{source}: {e}") from None
+    cfg = ModelConfig(
+        architecture=archs[0],
+        hidden_size=hidden,
+        num_layers=_size(hf, "num_hidden_layers", source),
+        num_heads=num_heads,
+        num_kv_heads=_size(hf, "num_key_value_heads", source, None) or num_heads,
+        head_dim=_size(hf, "head_dim", source, None) or hidden // num_heads,
+        intermediate_size=_size(hf, "intermediate_size", source),
+        vocab_size=_size(hf, "vocab_size", source),
+        rms_norm_eps=_number(hf, "rms_norm_eps", float, 1e-6, source),
+        rope=parse_rope(hf, source),
+        max_position_embeddings=_size(hf, "max_position_embeddings", source, None),
+        tie_word_embeddings=tie,
+        eos_token_ids=_eos_ids(eos, generation_source) if eos is not None else _eos_ids(hf.get("eos_token_id"), source),
+        bos_token_id=hf.get("bos_token_id"),
+        mla=mla,
+        moe=moe,
+        num_mtp_layers=_number(hf, "num_nextn_predict_layers", int, 0, source) or 0,
+        hf=hf,
+    )
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: silu")
     if cfg.num_heads % cfg.num_kv_heads:
@@ -317,4 +348,4 @@ def read_model_config(path: str) -> ModelConfig:
         raise ModelLoadError(f"model directory {path!r} has no config.json")
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else None
-    return parse_hf_config(_read_json(config_path), gen)
+    return parse_hf_config(_read_json(config_path), gen, source=config_path, generation_source=gen_path)

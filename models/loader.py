@@ -28,10 +28,23 @@ _DTYPES = {
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``auto``: CUDA when available, else CPU."""
+    """``auto``: CUDA when available, else CPU. A device this machine does not have is a
+    ``ValueError`` saying which ones it has."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (e.g. cpu, cuda, cuda:1)") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r}: this machine has no CUDA device (or torch was built without "
+                             "CUDA); use --device cpu")
+        if resolved.index is not None and resolved.index >= count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -51,9 +64,13 @@ def safetensors_files(path: str) -> list[str]:
     """The checkpoint files of a model directory: the index's shards, else every ``*.safetensors``."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            shards = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index} is not a safetensors index (JSON with a 'weight_map' object)") from None
+        files = [os.path.join(path, name) for name in sorted(shards)]
         missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
         if missing:
             raise ModelLoadError(f"{index} lists shard(s) missing from the directory: {', '.join(missing)}")
@@ -70,13 +87,18 @@ def safetensors_files(path: str) -> list[str]:
 def iter_safetensors(files: list[str], device: torch.device, keep: Callable[[str], bool] | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of ``files`` (only those whose name ``keep`` accepts: the others are not read)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if keep is None or keep(name):
-                    yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                names = list(f.keys())
+                for name in names:
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            # A truncated download or another file under the name; the library's message is one line.
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {e}") from None
 
 
 class LazyTensor:

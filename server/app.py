@@ -23,23 +23,29 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specloop.kernel.plugins import PluginManager
 
 from .errors import APIError, AuthenticationError, ServerError
+from .serving import ClientDisconnected
 from .state import ServerLimits, ServerState
 
 logger = logging.getLogger("specloop.server")
 
 
+# Paths that take a key when the server has one: everything that runs the model or the tokenizer.
+# Health, metrics, version and the API description stay open.
+_GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the ``/v1`` routes (as vLLM does); health,
-    metrics, version and tokenization stay open."""
+    """Requires ``Authorization: Bearer <key>`` on the ``/v1`` routes, ``/tokenize`` and
+    ``/detokenize``; the scheme's case does not matter (RFC 7235)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES) and scope["method"] != "OPTIONS":
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(b" "), self.expected):
                 await AuthenticationError().to_response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -55,6 +61,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return APIError(str(exc.detail), status_code=exc.status_code).to_response()
 
 
+async def _gone(request: Request, exc: Exception) -> Response:
+    # The client left (or was cut off) before its request was read: there is no one to answer.
+    return Response(status_code=499)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return ServerError("Internal server error.").to_response()
@@ -68,7 +79,8 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     on shutdown, aborts what is in flight and shuts the engine down.
 
     :param served_model_name: the name(s) clients use in ``model``; default: the engine's model name.
-    :param api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+    :param api_key: when set, ``/v1`` routes, ``/tokenize`` and ``/detokenize`` need
+        ``Authorization: Bearer <api_key>``.
     :param limits: limits against abuse (body size, ``n``, prompts per request, prompt length).
     :param plugins: where routes come from; default: the engine's plugin manager.
     """
@@ -76,7 +88,7 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     if plugins is None:
         core = getattr(engine, "core", None)
         plugins = getattr(core, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
-    state = ServerState(engine, names or [engine.model_name], limits or ServerLimits())
+    state = ServerState(engine, names or [engine.model_name], limits or ServerLimits(), requires_api_key=bool(api_key))
     routes = [entry.load()(state) for entry in plugins.routes.entries()]
 
     @asynccontextmanager
@@ -88,10 +100,12 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
         finally:
             await state.abort_all()
             await engine.shutdown()
+            state.close()
 
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _gone,
+                                        Exception: _unexpected})
     app.state.specloop = state
     return app
 

@@ -23,6 +23,7 @@ import uvicorn
 from specloop.frontend.data_parallel import build_async_engine
 
 from .app import build_app
+from .connections import ConnectionGuard, ConnectionLimits
 from .state import ServerLimits, ServerState
 
 API_KEY_ENV = "SPECLOOP_API_KEY"
@@ -75,7 +76,24 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         max_prompts=getattr(args, "max_prompts", None) or defaults.max_prompts,
         max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
         max_stop_strings=getattr(args, "max_stop_strings", None) or defaults.max_stop_strings,
+        max_stop_string_length=getattr(args, "max_stop_string_length", None) or defaults.max_stop_string_length,
+        max_messages=getattr(args, "max_messages", None) or defaults.max_messages,
     )
+
+
+def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    defaults = ConnectionLimits()
+    return ConnectionLimits(
+        header_timeout=getattr(args, "request_header_timeout", None) or defaults.header_timeout,
+        body_timeout=getattr(args, "request_body_timeout", None) or defaults.body_timeout,
+        max_connections=getattr(args, "max_connections", None),
+    )
+
+
+def uvicorn_config(app: Any, connections: ConnectionLimits, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's config for ``app`` behind :class:`~specloop.server.connections.GuardedH11Protocol`."""
+    return uvicorn.Config(app, http=ConnectionGuard(connections).protocol_factory(), lifespan="on",
+                          timeout_graceful_shutdown=10, **kwargs)
 
 
 def served_names(args: argparse.Namespace, engine: Any) -> list[str]:
@@ -94,15 +112,15 @@ def run_serve(args: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = limits_from_args(args)
+        connections = connection_limits_from_args(args)
         engine = build_async_engine(args.model_path, engine_process=getattr(args, "engine_process", True),
                                     **engine_args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"specloop serve: error: {e}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(engine, served_model_name=served_names(args, engine), api_key=api_key, limits=limits)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
-                            timeout_graceful_shutdown=10)
+    config = uvicorn_config(app, connections, host=args.host, port=args.port, log_level=args.log_level)
     server = _Server(config, app.state.specloop)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(server.serve())

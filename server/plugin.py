@@ -17,6 +17,7 @@ BUILTIN_ROUTES = {
     "version": "version_route",
     "tokenize": "tokenize_route",
     "detokenize": "detokenize_route",
+    "openapi": "openapi_route",
 }
 
 

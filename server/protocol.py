@@ -1,13 +1,19 @@
 """The OpenAI wire format, request side: request bodies parsed and checked into typed requests (the
 response side is :mod:`specloop.server.responses`).
 
-Parsing is strict about types (an integer field refuses ``true`` and ``"3"``) and lenient about
-unknown fields (ignored, as OpenAI-compatible servers do). Every problem raises :class:`BadRequest`
-naming the field in ``param``.
+Parsing is strict about types (an integer field refuses ``true``, ``"3"`` and ``3.0``, and takes
+64-bit signed integers) and lenient about unknown fields (ignored, as OpenAI-compatible servers do).
+Every problem raises :class:`BadRequest` naming the field in ``param``.
+
+Parsing costs time in proportion to the body, with the GIL held whatever thread parses it, so the
+body's size is bounded before it is parsed (:func:`parse_json_object`); the server parses on a worker
+thread (:mod:`specloop.server.routes`).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,15 +21,54 @@ import orjson
 
 from specloop.kernel.sampling_params import SamplingParams
 
-from .errors import BadRequest, from_value_error
+from .errors import BadRequest, PayloadTooLarge, from_value_error
 
 _MISSING = object()
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# A JSON parser takes ~0.03 us per number and ~1 us per object, holding the GIL: beyond these counts
+# (each an upper bound computed from the bytes, strings included) a body is refused unparsed.
+MAX_JSON_VALUES = 500_000
+# Bodies this small cannot hold enough of anything to be worth counting.
+_COUNT_FROM_BYTES = 256 * 1024
+# Maps every digit to "0" and everything else to " ", to find runs of digits at C speed.
+_DIGITS = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord(" ") for c in range(256))
+_LONG_INTEGER = b"0" * 19  # as many digits as the largest 64-bit integers
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(body: bytes, max_objects: int = 65_536) -> dict[str, Any]:
+    """A request body as a JSON object.
+
+    Integers keep every digit (orjson turns those past 64 bits into floats, so a body with such a
+    literal goes through the standard library's parser instead); NaN and infinities are refused.
+
+    :param max_objects: most ``{`` a large body may hold (an upper bound on its objects).
+    :raises PayloadTooLarge: the body could hold more than ``max_objects`` objects or
+        :data:`MAX_JSON_VALUES` values.
+    """
+    if len(body) > _COUNT_FROM_BYTES:
+        objects = body.count(b"{")
+        values = objects + body.count(b"[") + body.count(b",")
+        if objects > max_objects or values > MAX_JSON_VALUES:
+            raise PayloadTooLarge(f"The request body holds up to {objects} JSON objects and {values} values; this "
+                                  f"server parses at most {max_objects} objects and {MAX_JSON_VALUES} values.")
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
+        if _LONG_INTEGER in body.translate(_DIGITS):
+            data = json.loads(body, parse_float=_finite, parse_constant=_no_constant)
+        else:
+            data = orjson.loads(body)
+    except (orjson.JSONDecodeError, ValueError, RecursionError) as e:
         raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest(f"The request body must be a JSON object, got {type(data).__name__}.")
@@ -50,6 +95,8 @@ class Fields:
             return default
         if not _is_int(v):
             raise self._bad(name, "an integer", v)
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise self._bad(name, "an integer in [-2**63, 2**63 - 1]", v)
         return v
 
     def float(self, name: str, default: float | None = None) -> float | None:
@@ -109,7 +156,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    text = repr(value) if not _is_int(value) or abs(value) < 10**50 else f"an integer of {len(str(abs(value)))} digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -287,12 +334,20 @@ def _chat_template_kwargs(f: Fields) -> dict[str, Any]:
     return kwargs
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+def parse_messages(value: Any, max_messages: int | None = None) -> list[dict[str, str]]:
+    """``messages``: a non-empty list of at most ``max_messages`` messages (counted before any is read)."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'messages' must be a non-empty list of messages.", param="messages")
+    if max_messages is not None and len(value) > max_messages:
+        raise BadRequest(f"'messages' may hold at most {max_messages} messages on this server, got {len(value)}.",
+                         param="messages")
+    return [_message(i, m) for i, m in enumerate(value)]
+
+
+def parse_chat_request(body: dict[str, Any], max_messages: int | None = None) -> ChatRequest:
     f = Fields(body)
     stream, include_usage = _stream_flags(f)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of messages.", param="messages")
+    messages = parse_messages(body.get("messages"), max_messages)
     sampling = _sampling_kwargs(f)
     max_tokens = f.int("max_completion_tokens")
     if max_tokens is None:
@@ -305,7 +360,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         raise BadRequest(f"'top_logprobs' must be in [0, 20], got {top_logprobs}.", param="top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
-    return ChatRequest(model=f.str("model"), messages=[_message(i, m) for i, m in enumerate(messages)],
+    return ChatRequest(model=f.str("model"), messages=messages,
                        sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
                        logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
                        user=f.str("user"), priority=f.int("priority", 0),

@@ -11,11 +11,11 @@ from functools import partial
 from typing import Any, Awaitable, Callable
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import protocol, responses
+from . import openapi, protocol, responses
 from .errors import BadRequest, PayloadTooLarge
 from .metrics import CONTENT_TYPE
 from .serving import (ChatContext, ClientDisconnected, CompletionContext, EventStream, Generation, PromptInput,
@@ -37,16 +37,20 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"The request body has {length} bytes, more than this server's limit of {limit}.")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is larger than this server's limit of {limit} bytes.")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Gone mid-upload (or cut off by the server: a body deadline, shutdown): nobody to answer.
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
-async def _json_body(state: ServerState, request: Request) -> dict[str, Any]:
-    return protocol.parse_json_object(await read_body(request, state.limits.max_body_bytes))
+def _json_body(state: ServerState, body: bytes) -> dict[str, Any]:
+    return protocol.parse_json_object(body, state.limits.max_json_objects)
 
 
 def _ready(state: ServerState) -> None:
@@ -64,9 +68,11 @@ async def _collected(request: Request, gen: Generation, work: Awaitable[dict[str
         await gen.cancel()
 
 
-async def create_completion(state: ServerState, request: Request) -> Response:
-    arrival = time.perf_counter()
-    req = protocol.parse_completion_request(await _json_body(state, request))
+# Each request is parsed, checked and tokenized by a ``_prepare_*`` function on a worker thread
+# (``state.off_loop``): that work grows with the request, and the event loop serves everyone.
+
+def _prepare_completion(state: ServerState, body: bytes) -> tuple[protocol.CompletionRequest, str, list[PromptInput]]:
+    req = protocol.parse_completion_request(_json_body(state, body))
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
     state.check_stop(req.sampling["stop"])
@@ -81,6 +87,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="prompt",
                                        logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         inputs.append(PromptInput(ids, text, params))
+    return req, model, inputs
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.perf_counter()
+    body = await read_body(request, state.limits.max_body_bytes)
+    req, model, inputs = await state.off_loop(_prepare_completion, state, body)
     request_id = responses.new_id("cmpl")
     ctx = CompletionContext(request_id, responses.now(), model, req.echo, req.logprobs, req.include_usage)
     gen = Generation(state, request_id, inputs, arrival=arrival, priority=req.priority)
@@ -90,12 +103,16 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
 
 def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generation_prompt: bool,
-                 kwargs: dict[str, Any]) -> list[int]:
+                 kwargs: dict[str, Any], max_tokens: int | None = None) -> list[int]:
+    """The conversation's token ids; ``max_tokens``: what must fit (default: a prompt's limit)."""
     tokenizer = state.require_tokenizer("A chat request")
+    # The template adds to the messages' text, never removes from it.
+    state.check_text_fits(sum(len(m["content"]) for m in messages), "messages", max_tokens)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
         raise BadRequest(f"The messages could not be rendered with the chat template: {e}", param="messages") from None
+    state.check_text_fits(len(text), "messages", max_tokens)
     # The template already spells the special tokens (BOS, role markers).
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
@@ -103,9 +120,8 @@ def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generat
     return ids
 
 
-async def create_chat_completion(state: ServerState, request: Request) -> Response:
-    arrival = time.perf_counter()
-    req = protocol.parse_chat_request(await _json_body(state, request))
+def _prepare_chat(state: ServerState, body: bytes) -> tuple[protocol.ChatRequest, str, PromptInput]:
+    req = protocol.parse_chat_request(_json_body(state, body), state.limits.max_messages)
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
     state.check_stop(req.sampling["stop"])
@@ -113,9 +129,16 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     ids = _render_chat(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="messages",
                                    logprobs=req.logprobs)
+    return req, model, PromptInput(ids, None, params)
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.perf_counter()
+    body = await read_body(request, state.limits.max_body_bytes)
+    req, model, prompt = await state.off_loop(_prepare_chat, state, body)
     request_id = responses.new_id("chatcmpl")
     ctx = ChatContext(request_id, responses.now(), model, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, [PromptInput(ids, None, params)], arrival=arrival, priority=req.priority)
+    gen = Generation(state, request_id, [prompt], arrival=arrival, priority=req.priority)
     if req.stream:
         return EventStream(stream_chat(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_chat(state, gen, ctx))
@@ -141,33 +164,59 @@ async def version(state: ServerState, request: Request) -> Response:
     return json_response({"version": importlib.metadata.version("specloop")})
 
 
-async def tokenize(state: ServerState, request: Request) -> Response:
-    """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
-    body = await _json_body(state, request)
-    f = protocol.Fields(body)
+def _tokenize(state: ServerState, body: bytes) -> dict[str, Any]:
+    data = _json_body(state, body)
+    f = protocol.Fields(data)
     state.resolve_model(f.str("model"))
-    if body.get("messages") is not None:
-        chat = protocol.parse_chat_request({"messages": body["messages"]})
-        ids = _render_chat(state, chat.messages, f.bool("add_generation_prompt", True), {})
+    # As vLLM: up to the whole context, since nothing is generated.
+    limit = state.max_model_len
+    if data.get("messages") is not None:
+        messages = protocol.parse_messages(data["messages"], state.limits.max_messages)
+        ids = _render_chat(state, messages, f.bool("add_generation_prompt", True), {}, limit)
+        param = "messages"
     else:
         prompt = f.str("prompt")
         if prompt is None:
             raise BadRequest("'prompt' (a string) or 'messages' is required.", param="prompt")
         tokenizer = state.require_tokenizer("Tokenizing")
+        state.check_text_fits(len(prompt), "prompt", limit)
         ids = tokenizer.encode(prompt, add_special_tokens=f.bool("add_special_tokens", True))
-    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+        param = "prompt"
+    if len(ids) > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, the input has "
+                         f"{len(ids)} tokens. Please reduce the length of the input.", param=param,
+                         code="context_length_exceeded")
+    return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+    body = await read_body(request, state.limits.max_body_bytes)
+    return json_response(await state.off_loop(_tokenize, state, body))
+
+
+def _detokenize(state: ServerState, body: bytes) -> dict[str, Any]:
+    data = _json_body(state, body)
+    f = protocol.Fields(data)
+    state.resolve_model(f.str("model"))
+    if data.get("tokens") is None:
+        raise BadRequest("'tokens' (a list of token ids) is required.", param="tokens")
+    ids = f.int_list("tokens")
+    if len(ids) > state.max_model_len:
+        raise BadRequest(f"This model's maximum context length is {state.max_model_len} tokens. However, "
+                         f"'tokens' has {len(ids)}.", param="tokens", code="context_length_exceeded")
+    state.check_token_ids(ids, "tokens")
+    return {"prompt": state.require_tokenizer("Detokenizing").decode(ids)}
 
 
 async def detokenize(state: ServerState, request: Request) -> Response:
     """``{"tokens": [int]}`` -> ``{"prompt": str}``."""
-    body = await _json_body(state, request)
-    f = protocol.Fields(body)
-    state.resolve_model(f.str("model"))
-    if body.get("tokens") is None:
-        raise BadRequest("'tokens' (a list of token ids) is required.", param="tokens")
-    ids = f.int_list("tokens")
-    state.check_token_ids(ids, "tokens")
-    return json_response({"prompt": state.require_tokenizer("Detokenizing").decode(ids)})
+    body = await read_body(request, state.limits.max_body_bytes)
+    return json_response(await state.off_loop(_detokenize, state, body))
+
+
+async def openapi_description(state: ServerState, request: Request) -> Response:
+    return json_response(openapi.openapi(api_key=state.requires_api_key, models=state.served_model_names))
 
 
 def _route(path: str, handler: Handler, methods: list[str]) -> Callable[[ServerState], Route]:
@@ -185,3 +234,4 @@ metrics_route = _route("/metrics", metrics, ["GET"])
 version_route = _route("/version", version, ["GET"])
 tokenize_route = _route("/tokenize", tokenize, ["POST"])
 detokenize_route = _route("/detokenize", detokenize, ["POST"])
+openapi_route = _route("/openapi.json", openapi_description, ["GET"])

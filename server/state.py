@@ -1,19 +1,24 @@
 """What every route shares: the engine, the served model names, the limits against abuse, the
-metrics, and the generations in flight. Built once per app by :func:`specloop.server.app.build_app`.
+metrics, the worker threads requests are prepared on, and the generations in flight. Built once per
+app by :func:`specloop.server.app.build_app`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from specloop.frontend.request_output import Logprob
 from specloop.kernel.sampling_params import SamplingParams
 
-from .errors import BadRequest, NotFound, from_value_error
+from .errors import APIError, BadRequest, NotFound, from_value_error
 from .metrics import ServerMetrics
+
+T = TypeVar("T")
 
 
 class InFlight(Protocol):
@@ -30,32 +35,48 @@ class ServerLimits:
     max_n: int = 16
     max_prompts: int = 64  # prompts in one /v1/completions request
     max_prompt_tokens: int | None = None  # None: max_model_len - 1
-    # Every stop string is looked for after every token, on the event loop all requests share.
+    # Stop strings are matched on the event loop all requests share; an automaton over them is built
+    # per request, in time and memory proportional to their total length.
     max_stop_strings: int = 64
+    max_stop_string_length: int = 1024  # characters
+    max_messages: int = 4096  # per chat request (each is parsed, then rendered by the template)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_prompts", "max_stop_strings"):
+        for name in ("max_body_bytes", "max_n", "max_prompts", "max_stop_strings", "max_stop_string_length",
+                     "max_messages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1")
+
+    @property
+    def max_json_objects(self) -> int:
+        """Most objects a request body may hold (chat messages and their content parts are objects)."""
+        return max(65_536, 8 * self.max_messages)
 
 
 class ServerState:
     """What every route needs: the engine, the served names, limits and metrics. Built once by
     :func:`~specloop.server.app.build_app`; ``inflight`` and ``draining`` change as requests come and go."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits, *,
+                 requires_api_key: bool = False) -> None:
         self.engine = engine
+        self.requires_api_key = requires_api_key  # what the API description says
         self.served_model_names = served_model_names
         self.limits = limits
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.config.max_model_len
         self.vocab_size: int = engine.vocab_size
+        # No text longer than this many characters per token can fit (checked before tokenizing).
+        self.max_token_chars: int | None = self.tokenizer.max_token_chars if self.tokenizer is not None else None
         self.metrics = ServerMetrics(engine, served_model_names[0])
         self.created = int(time.time())
         self.inflight: set[InFlight] = set()
         self.draining = False
+        # Parsing, chat templates and tokenization: work in proportion to a request's size, kept off
+        # the event loop (the tokenizer releases the GIL; parsing and templates yield it every 5 ms).
+        self.workers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="specloop-prepare")
 
     @property
     def model_name(self) -> str:
@@ -76,6 +97,27 @@ class ServerState:
         if len(set(stop)) > self.limits.max_stop_strings:
             raise BadRequest(f"'stop' may hold at most {self.limits.max_stop_strings} different strings on this "
                              f"server, got {len(set(stop))}.", param="stop")
+        longest = max(map(len, stop), default=0)
+        if longest > self.limits.max_stop_string_length:
+            raise BadRequest(f"'stop' strings may be at most {self.limits.max_stop_string_length} characters long on "
+                             f"this server, got one of {longest}.", param="stop")
+
+    def check_text_fits(self, chars: int, param: str, max_tokens: int | None = None) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit in ``max_tokens`` tokens (default:
+        a prompt's limit) since no token stands for more than ``max_token_chars`` characters."""
+        if self.max_token_chars is None:
+            return
+        if max_tokens is None:
+            max_tokens = min(self.max_model_len - 1, self.limits.max_prompt_tokens or self.max_model_len)
+        if chars > max_tokens * self.max_token_chars:
+            raise BadRequest(f"The input has {chars} characters, so more tokens than the {max_tokens} that fit on "
+                             f"this server (this model's maximum context length is {self.max_model_len} tokens). "
+                             "Please reduce the length of the input.", param=param, code="context_length_exceeded")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread. A client error comes back without the worker's frames,
+        so what they held (a parsed body) is freed on the worker, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, functools.partial(_call, fn, args))
 
     def require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
@@ -85,13 +127,26 @@ class ServerState:
     def encode_prompt(self, prompt: str | list[int], *, echo: bool = False) -> tuple[list[int], str | None]:
         """Token ids (checked against the vocabulary) and, when echoing, the prompt's text."""
         if isinstance(prompt, str):
-            ids = self.require_tokenizer("A text prompt").encode(prompt, add_special_tokens=True)
+            tokenizer = self.require_tokenizer("A text prompt")
+            self.check_text_fits(len(prompt), "prompt")
+            ids = tokenizer.encode(prompt, add_special_tokens=True)
             if not ids:
                 raise BadRequest("'prompt' must not be empty.", param="prompt")
             return ids, prompt
+        self.check_prompt_length(len(prompt), "prompt")
         self.check_token_ids(prompt, "prompt")
         text = self.tokenizer.decode(prompt) if echo and self.tokenizer is not None else None
         return list(prompt), text
+
+    def check_prompt_length(self, n: int, param: str) -> None:
+        limit, cap = self.max_model_len, self.limits.max_prompt_tokens
+        if n >= limit:
+            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your request has "
+                             f"{n} input tokens, which leaves no room for output. Please reduce the length of "
+                             "the input.", param=param, code="context_length_exceeded")
+        if cap is not None and n > cap:
+            raise BadRequest(f"The input has {n} tokens, more than this server's limit of {cap}.",
+                             param=param, code="context_length_exceeded")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -105,14 +160,7 @@ class ServerState:
         """The request's parameters for one prompt, checked against the context window and the
         vocabulary; ``max_tokens`` defaults to what fits after the prompt."""
         n, limit = len(prompt_ids), self.max_model_len
-        if n >= limit:
-            raise BadRequest(f"This model's maximum context length is {limit} tokens. However, your request has "
-                             f"{n} input tokens, which leaves no room for output. Please reduce the length of "
-                             "the input.", param=prompt_param, code="context_length_exceeded")
-        cap = self.limits.max_prompt_tokens
-        if cap is not None and n > cap:
-            raise BadRequest(f"The input has {n} tokens, more than this server's limit of {cap}.",
-                             param=prompt_param, code="context_length_exceeded")
+        self.check_prompt_length(n, prompt_param)
         if max_tokens is not None and n + max_tokens > limit:
             raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
                              f"{n + max_tokens} tokens ({n} in the input, {max_tokens} in the completion). "
@@ -139,3 +187,15 @@ class ServerState:
         """Stop accepting generation requests and cancel every one in flight (shutdown)."""
         self.draining = True
         await asyncio.gather(*(g.cancel() for g in list(self.inflight)), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop the worker threads (once the server no longer takes requests)."""
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _call(fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    try:
+        return fn(*args)
+    except APIError as e:
+        e.__traceback__ = e.__context__ = e.__cause__ = None
+        raise

@@ -23,6 +23,8 @@ from tokenizer_helpers import build_tokenizer
 from specloop.frontend.async_engine import AsyncEngine
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
+from specloop.server.connections import ConnectionLimits
+from specloop.server.launcher import uvicorn_config
 
 MAX_MODEL_LEN = 256
 VOCAB_SIZE = 400
@@ -80,29 +82,41 @@ def make_engine(model_dir: str, plugins: PluginManager | None = None, **override
 
 
 class ServerThread:
-    """``uvicorn`` serving ``app`` on 127.0.0.1 (a free port) from a thread with its own uvloop loop;
-    the app's lifespan starts and stops the engine on that loop."""
+    """``uvicorn`` serving ``app`` on 127.0.0.1 (a free port) from a thread with its own uvloop loop,
+    behind the server's connection guard (``connections``: its limits); the app's lifespan starts and
+    stops the engine on that loop."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, connections: ConnectionLimits | None = None) -> None:
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        config = uvicorn_config(app, connections or ConnectionLimits(), log_level="warning")
+        config.timeout_graceful_shutdown = 5
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="test-server", daemon=True)
         self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self) -> None:
         import uvloop
 
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve(sockets=[self.sock])
+
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(self.server.serve(sockets=[self.sock]))
+                runner.run(serve())
         except BaseException as e:  # surfaced by __enter__ / the tests
             self.error = e
+
+    def lag(self) -> LoopLag:
+        """Watches the server's event loop: ``with server.lag() as lag: ...`` then ``lag.worst``."""
+        assert self.loop is not None
+        return LoopLag(self.loop)
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -119,6 +133,37 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+class LoopLag:
+    """The longest stall of an event loop while the ``with`` block runs: a task on that loop wakes
+    every millisecond and records the longest gap between its wake-ups (the loop could run nothing
+    else meanwhile either). A measurement only: nothing waits on it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.worst = 0.0
+        self._stop = threading.Event()
+        self._started = threading.Event()
+        self._future: Any = None
+
+    async def _watch(self) -> None:
+        self._started.set()
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            self.worst = max(self.worst, now - last)
+            last = now
+
+    def __enter__(self) -> LoopLag:
+        self._future = asyncio.run_coroutine_threadsafe(self._watch(), self.loop)
+        assert self._started.wait(30), "the server's loop did not run the watcher"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._future.result(timeout=30)
 
 
 def scrape(url: str) -> dict[str, float]:

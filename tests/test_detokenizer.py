@@ -175,3 +175,67 @@ def test_stop_string_inside_text_held_until_the_end(tok):
     state = CompletionTracker(0, Request("r", [5], params), tok)
     state.process(EngineCoreOutput("r", out, finish_reason=FinishReason.LENGTH))
     assert state.finish_reason == "stop" and state.stop_reason == "o " and state.detokenizer.text == "Hell"
+
+
+def reference_stop(text, old_len, stops):
+    """The stop-string rule by its definition: among the stop strings that end in the new text, the
+    one that starts earliest (ties: the first listed)."""
+    found = [(text.find(s, max(0, old_len - len(s) + 1)), i) for i, s in enumerate(stops)]
+    found = [f for f in found if f[0] >= 0]
+    return min(found) if found else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_matching_follows_its_definition(tok, seed):
+    """Random stop sets over a small alphabet (overlapping prefixes, stops inside stops), random
+    token streams, min_tokens and include_stop_str_in_output: the completion stops exactly where the
+    definition says, and what is released always stops before the longest tail that could still
+    grow into a stop string."""
+    rng = random.Random(seed)
+    alphabet = "ab c"
+    vocab = [t for t in range(tok.vocab_size) if tok.decode([t]) and set(tok.decode([t])) <= set(alphabet)]
+    for _ in range(40):
+        stops = list(dict.fromkeys("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
+                                   for _ in range(rng.randint(1, 5))))
+        params = SamplingParams(stop=stops, min_tokens=rng.choice([0, 0, 3]), max_tokens=99,
+                                include_stop_str_in_output=rng.random() < 0.3)
+        detok = IncrementalDetokenizer(tok, [5], params)
+        text = ""
+        for n, token in enumerate(rng.choice(vocab) for _ in range(30)):
+            old_len, text = len(text), text + tok.decode([token])
+            want = reference_stop(text, old_len, stops) if n + 1 > params.min_tokens else None
+            if detok.update([token]) is not None:
+                at, i = want
+                assert detok.stop_reason == stops[i]
+                assert detok.text == text[:at + len(stops[i]) if params.include_stop_str_in_output else at]
+                break
+            assert want is None and detok.output_text == text, (stops, text)
+            if not params.include_stop_str_in_output:
+                held = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
+                            if text.endswith(s[:k])), default=0)
+                assert detok.text == text[:len(text) - held]
+
+
+def test_stop_matching_cost_does_not_grow_with_stop_length(tok):
+    """Each stop string's every prefix was tried for every token: 64 stop strings of 20,000
+    characters took 190 s for what 200-character ones did in 8. Now the work per character of output
+    is the same whatever their length (timed against 100x shorter stop strings, best of three)."""
+    import time
+
+    rng = random.Random(0)
+    ids = tok.encode("".join(rng.choice("ab ") for _ in range(3000)), add_special_tokens=False)
+
+    def seconds(length):
+        stops = [("ab" * length)[:length - 1] + chr(0x4E00 + i) for i in range(8)]
+        params = SamplingParams(stop=stops, max_tokens=len(ids))
+        best = float("inf")
+        for _ in range(3):
+            detok = IncrementalDetokenizer(tok, [5], params)
+            start = time.perf_counter()
+            for t in ids:
+                assert detok.update([t]) is None
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    short, long = seconds(200), seconds(20_000)
+    assert long < 3 * short + 0.05, (short, long)

@@ -188,7 +188,7 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         kw["top_p"] = rng.choice([1.0, 0.9, 0.3])
         kw["min_p"] = rng.choice([0.0, 0.1])
         if rng.random() < 0.7:
-            kw["seed"] = rng.randint(0, 2**64 - 1)
+            kw["seed"] = rng.randint(-2**63, 2**63 - 1)
     if rng.random() < 0.3:
         kw["stop"] = rng.sample(STOP_WORDS, rng.randint(1, 3))
         kw["include_stop_str_in_output"] = rng.random() < 0.5
@@ -356,17 +356,21 @@ async def test_engine_fuzz_with_cancellations_aborts_and_preemption(case: str) -
 
 # --- regressions the fuzzers found ---------------------------------------------------------------
 
-def test_seeds_beyond_int64_with_speculative_decoding() -> None:
-    """A seed of 2**64 - 1 (valid JSON, valid SamplingParams) once overflowed the proposer's int64
-    seed array and killed the engine; a seed means its low 64 bits."""
+def test_seeds_at_the_ends_of_int64_with_speculative_decoding() -> None:
+    """A seed of 2**64 - 1 once overflowed the proposer's int64 seed array and killed the engine;
+    then it was taken as its low 64 bits (silently negative). Seeds are int64s: the extremes work
+    with n > 1 (whose children's seeds run past them) and drafting on, and anything beyond is refused."""
     llm = LLM(model_dir(), device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=40,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     prompt = {"prompt_token_ids": [9, 10, 11, 9, 10, 11, 9, 10]}
-    outs = [llm.generate(prompt, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=seed),
-                         use_tqdm=False)[0] for seed in (2**64 - 1, -1)]
-    assert [len(c.token_ids) for c in outs[0].outputs] == [12, 12]
-    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    for seed in (2**63 - 1, -2**63):
+        out = llm.generate(prompt, SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=seed),
+                           use_tqdm=False)[0]
+        assert [len(c.token_ids) for c in out.outputs] == [12, 12]
     assert llm.core.kv_cache.num_free_blocks == llm.core.kv_cache.num_blocks - 1
+    for seed in (2**63, 2**64 - 1, -2**63 - 1, 2**70, True):
+        with pytest.raises(ValueError, match=r"^seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            SamplingParams(seed=seed)
 
 
 @pytest.mark.parametrize("params", [
@@ -536,7 +540,7 @@ def extreme_value(rng: random.Random, name: str, vocab: int) -> Any:
     """A value at the edge of what field ``name`` accepts (None when the field has no such edge)."""
     choices: dict[str, list[Any]] = {
         "temperature": [0, 1e-6, 1e-5, 2, 100, 1e38, 1e300], "top_p": [1e-300, 1e-9, 1],
-        "top_k": [-1, 1, vocab, 2**63 - 1], "min_p": [0.999, 1], "seed": [0, -2**63, 2**64 - 1],
+        "top_k": [-1, 1, vocab, 2**63 - 1], "min_p": [0.999, 1], "seed": [0, -2**63, 2**63 - 1],
         "presence_penalty": [-2, 2], "frequency_penalty": [-2, 2], "repetition_penalty": [1e-300, 1e-38, 2],
         "n": [2, 16], "stop": [["\n"], ["😀", " "], ["e", "a" * 1000] + [f"s{i}" for i in range(62)]],
         "stop_token_ids": [[0, 1, 2, 3, 4], list(range(vocab - 64, vocab))], "ignore_eos": [True],

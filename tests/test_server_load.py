@@ -200,3 +200,47 @@ def test_a_dead_engine_process_gives_503s_and_a_clean_exit() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_closes_stalled_uploads_at_once() -> None:
+    """Ten clients stuck mid-body once held SIGTERM for uvicorn's whole graceful timeout (10.6 s),
+    then each was cancelled with a traceback and logged as a 500. Now their connections close at
+    once: a clean, quiet, prompt exit."""
+    import socket
+
+    port = free_port()
+    argv = [*serve_argv(tiny_model_dir(), port)[:-2], "--log-level", "info"]
+    proc = subprocess.Popen([sys.executable, "-m", "specloop", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ})
+    socks = []
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(healthy, timeout=60, interval=0.1)
+        head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000\r\n\r\n{\"prompt\": ")
+        for _ in range(10):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(head)
+            socks.append(sock)
+        # Once /health answers after the heads were sent, the server has read them.
+        assert healthy()
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        elapsed = time.monotonic() - start
+        log = proc.stdout.read().decode()
+        assert elapsed < 5, (elapsed, log)
+        assert "Traceback" not in log and '" 500' not in log and "ERROR" not in log, log
+        for sock in socks:
+            assert sock.recv(1) == b""
+    finally:
+        for sock in socks:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
