@@ -52,9 +52,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs 'method', one of {', '.join(SPEC_METHODS)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        extra = {k: value.pop(k) for k in list(value) if k not in known}
-        return cls(**value, extra=extra)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))} "
+                             "(options for a third-party proposer go in 'extra')")
+        return cls(**value)
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     enforce_eager: bool = False
+    structured_outputs_backend: str = "llguidance"
     disable_plugins: tuple[str, ...] = ()
     # Free-form options for third-party components, read by name.
     plugin_options: dict[str, Any] = field(default_factory=dict)

@@ -4,7 +4,8 @@
 
     run_busy_loop
       _process_input_queue    drain adds/aborts into the scheduler (await only when idle)
-      _process_engine_step    schedule -> execute_model -> sample_tokens -> update_from_output
+      _process_engine_step    schedule -> execute_model -> grammar_bitmask -> sample_tokens
+                              -> update_from_output -> commit grammars
       post_step               take_draft_token_ids -> update_draft_token_ids
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from .plugins import PluginManager
-from .protocols import ModelRunner, Scheduler
+from .protocols import ModelRunner, Scheduler, StructuredOutputManager
 from .request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("specloop")
@@ -54,6 +55,8 @@ class EngineCore:
                                                              num_blocks=num_blocks)
         self.scheduler: Scheduler = self.plugins.schedulers.create(config.scheduler, config=config,
                                                                    kv_cache=self.kv_cache)
+        self.structured_output: StructuredOutputManager = self.plugins.structured_output_backends.create(
+            config.structured_outputs_backend, config=config, vocab_size=runner.vocab_size)
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)
 
@@ -61,7 +64,10 @@ class EngineCore:
 
     def add_requests(self, requests: list[Request]) -> None:
         for request in requests:
-            self.scheduler.add_request(request)
+            if request.sampling_params.structured_outputs is not None:
+                self.structured_output.add_request(request)  # scheduled once its grammar compiles
+            else:
+                self.scheduler.add_request(request)
             self.requests[request.request_id] = request
         if requests:
             self.hooks.request_added(requests)
@@ -70,6 +76,9 @@ class EngineCore:
         """Abort by id; unknown or already finished ids are ignored (invariant 9: a step already
         running for them finishes, and its output for them is dropped by the scheduler)."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request in self.structured_output.remove(request_ids):
+            request.status = RequestStatus.FINISHED_ABORTED
+            finished.append(request)
         for request in finished:
             self.requests.pop(request.request_id, None)
         if finished:
@@ -77,28 +86,45 @@ class EngineCore:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured_output.has_pending()
 
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         t0 = time.perf_counter()
+        failed = self._admit_compiled_grammars()
         plan = self.scheduler.schedule()
         preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
         if preempted:
             self.hooks.request_preempted(preempted, plan.step_id)
         if plan.is_empty and not plan.finished_req_ids and not plan.preempted_req_ids:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats())
         self.hooks.step_scheduled(plan)
         t1 = time.perf_counter()
         self.runner.execute_model(plan)
-        result = self.runner.sample_tokens()
+        # Filled while the forward runs (a GPU runner returns once the forward is launched).
+        grammar = self.structured_output.grammar_bitmask(plan)
+        result = self.runner.sample_tokens(grammar)
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(plan, result)
+        self.structured_output.commit(outputs)  # grammars advance only by committed tokens
+        outputs.outputs.extend(failed)
         t3 = time.perf_counter()
         self._emit_step_events(plan, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
         return outputs
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled join the scheduler; those whose grammar failed finish."""
+        ready, failed = self.structured_output.take_ready(wait=not self.scheduler.has_unfinished_requests())
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, _ in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self.requests.pop(request.request_id, None)
+        if failed:
+            self.hooks.request_finished([request for request, _ in failed])
+        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=e) for r, e in failed]
 
     def post_step(self) -> None:
         drafts = self.runner.take_draft_token_ids()

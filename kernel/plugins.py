@@ -28,7 +28,7 @@ BUILTIN_DISTRIBUTION = "specloop"
 DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",
-                   "proposers", "routes")
+                   "proposers", "structured_output_backends", "tool_parsers", "routes")
 
 
 class UnknownComponentError(ValueError):
@@ -202,6 +202,8 @@ class PluginManager:
         self.model_runners: Registry = self._collect("model_runners")
         self.models: Registry = self._collect("models")
         self.proposers: Registry = self._collect("proposers")
+        self.structured_output_backends: Registry = self._collect("structured_output_backends")
+        self.tool_parsers: Registry = self._collect("tool_parsers")
         self.routes: Registry = self._collect("routes")
         self.registries: dict[str, Registry] = {kind: getattr(self, kind) for kind in COMPONENT_KINDS}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .outputs import DraftTokenIds, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+    from .outputs import (DraftTokenIds, EngineCoreOutputs, GrammarBitmask, ModelRunnerOutput, SchedulerOutput,
+                          SchedulerStats)
     from .request import Request, RequestStatus
 
 
@@ -83,10 +84,32 @@ class ModelRunner(Protocol):
     def execute_model(self, plan: SchedulerOutput) -> None:
         """Update resident request state from the plan and run the forward pass."""
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        """Sample (or rejection-sample drafts) for the last executed plan, then propose drafts."""
+    def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Sample (or rejection-sample drafts) for the last executed plan, ``grammar`` masking its
+        structured rows, then propose drafts."""
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed by the last ``sample_tokens``, once."""
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class StructuredOutputManager(Protocol):
+    """Grammars of structured-output requests: compiled off the step thread, a bitmask per plan
+    (drafts included), advanced only by committed tokens."""
+
+    def add_request(self, request: Request) -> None:
+        """Compile its grammar; the request waits (``WAITING_FOR_GRAMMAR``) until ``take_ready``."""
+
+    def take_ready(self, wait: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(compiled, [(failed, error)]); ``wait``: block briefly for a compilation to finish."""
+
+    def grammar_bitmask(self, plan: SchedulerOutput) -> GrammarBitmask | None: ...
+
+    def commit(self, outputs: EngineCoreOutputs) -> None: ...
+
+    def remove(self, request_ids: Iterable[str]) -> list[Request]:
+        """Forget requests; returns those still waiting for their grammar."""
+
+    def has_pending(self) -> bool: ...

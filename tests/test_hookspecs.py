@@ -108,6 +108,14 @@ class Recorder:
         self.calls["specloop_register_proposers"].append({"register": register})
 
     @hookimpl
+    def specloop_register_structured_output_backends(self, register):
+        self.calls["specloop_register_structured_output_backends"].append({"register": register})
+
+    @hookimpl
+    def specloop_register_tool_parsers(self, register):
+        self.calls["specloop_register_tool_parsers"].append({"register": register})
+
+    @hookimpl
     def specloop_register_routes(self, register):
         self.calls["specloop_register_routes"].append({"register": register})
 
