@@ -40,6 +40,7 @@ class AsyncEngine:
         self.model_name: str = built.model_name
         self.vocab_size: int = built.vocab_size
         self.processor = built.processor
+        self.generation_defaults = built.generation_defaults
         self.async_core = AsyncEngineCore(built.core, step_in_thread=step_in_thread)
         self.stats = EngineStats()
         self.async_core.on_outputs.append(self._record_step)
@@ -90,12 +91,15 @@ class AsyncEngine:
         return self.processor.encode(text, add_special_tokens)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, delta: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, delta: bool = False, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.
 
         :param prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
         :param delta: each output carries only what is new per completion (text, token ids,
             logprobs); otherwise everything so far. The last output has ``finished=True``.
+        :param cache_salt: mixed into the prefix-cache hash: only requests with the same salt share
+            cached blocks.
         :raises ValueError: invalid input, before anything is enqueued.
         :raises EngineDeadError: the engine failed while serving the request.
 
@@ -103,8 +107,12 @@ class AsyncEngine:
         ``n`` completions) in the core.
         """
         prompt_text, prompt_ids = self.processor.parse(prompt)
+        prompt_ids = self.processor.truncate(prompt_ids, params)
         self.validate(prompt_ids, params)
-        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
+        grammar = self.processor.compile_grammar(params)
+        if grammar is not None:
+            await asyncio.wrap_future(grammar)  # an invalid schema raises ValueError here
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority, cache_salt=cache_salt)
         await self.start()
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")

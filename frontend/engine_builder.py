@@ -4,7 +4,7 @@ and input processor. Everything resolved here is resolved once, for the engine's
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specloop.kernel.config import EngineConfig
@@ -13,7 +13,7 @@ from specloop.kernel.plugins import PluginManager
 
 from .input_processor import InputProcessor
 from .model_path import resolve_model
-from .tokenizer import Tokenizer, read_generation_eos_ids
+from .tokenizer import Tokenizer, read_generation_defaults, read_generation_eos_ids
 
 
 def make_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:
@@ -57,6 +57,8 @@ class BuiltEngine:
     tokenizer: Tokenizer | None  # None when the engine runs without one
     processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
     model_name: str
+    # The model's generation_config.json sampling defaults (SamplingParams fields), unless turned off.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -75,8 +77,11 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
         tokenizer = Tokenizer(resolve_tokenizer(tokenizer_dir))
     eos_token_ids = resolve_eos_token_ids(tokenizer, config.model)
     core = EngineCore(config, plugins)
-    processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids)
-    return BuiltEngine(config, core, tokenizer, processor, model_name(config))
+    processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids, core.structured_output)
+    if config.generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config must be 'auto' or 'vllm', got {config.generation_config!r}")
+    defaults = read_generation_defaults(config.model) if config.generation_config == "auto" else {}
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config), defaults)
 
 
 def resolve_tokenizer(path: str) -> str:

@@ -3,12 +3,14 @@ validation against the model (vocabulary, context length), and the ``n > 1`` fan
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Union
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.request import Request
 from specloop.kernel.sampling_params import SamplingParams
+from specloop.sampling.structured_outputs import StructuredOutputsParams
 
 from .tokenizer import Tokenizer
 
@@ -28,15 +30,17 @@ class InputProcessor:
     :param tokenizer: None when the engine runs without one (token-id prompts only).
     :param vocab_size: the model's vocabulary size (may exceed the tokenizer's).
     :param eos_token_ids: ids that end a completion unless ``ignore_eos``.
+    :param structured_output: the engine's structured-output manager (compiles grammars).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], structured_output: Any = None) -> None:
         assert config.max_model_len is not None, "the engine config must be resolved first"
         self.max_model_len: int = config.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.structured_output = structured_output
 
     def parse(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token-id prompts) and its token ids."""
@@ -73,10 +77,33 @@ class InputProcessor:
         """How many tokens fit after a prompt of ``prompt_len`` tokens."""
         return max(self.max_model_len - prompt_len, 0)
 
+    @staticmethod
+    def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the engine sees it: its last ``truncate_prompt_tokens`` tokens, if set."""
+        k = params.truncate_prompt_tokens
+        return prompt_token_ids[-k:] if k is not None and len(prompt_token_ids) > k else prompt_token_ids
+
+    def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
+        """Start compiling the request's grammar (in the engine's cache, off this thread); the
+        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured_output is None:
+            raise ValueError("structured_outputs: this engine has no structured-output backend")
+        return self.structured_output.compile(params.structured_outputs, self.eos_token_ids)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this engine runs without one (skip_tokenizer_init)")
+            # vLLM's rule: the word alone and after a space; each sequence is banned where it would end.
+            words = {tuple(self.tokenizer.encode(p + w.lstrip(), add_special_tokens=False))
+                     for w in params.bad_words for p in ("", " ")}
+            params.bad_words_token_ids = [list(w) for w in sorted(words) if w]
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
@@ -98,7 +125,8 @@ class InputProcessor:
                              "(skip_tokenizer_init); use stop_token_ids instead")
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+                      priority: int = 0, arrival_time: float | None = None,
+                      cache_salt: str | None = None) -> list[Request]:
         """One request, or ``n`` child requests (ids ``f"{i}_{request_id}"``, seeds ``seed + i``)."""
         # Checked here, not in the scheduler's step: a bad id or priority must fail this call, not
         # the engine (the runner hashes ids, the priority queue compares priorities).
@@ -117,5 +145,5 @@ class InputProcessor:
                 child.seed = params.seed + i
             rid = request_id if params.n == 1 else child_request_id(i, request_id)
             requests.append(Request(rid, list(prompt_token_ids), child, eos_token_ids=self.eos_token_ids,
-                                    arrival_time=arrival, priority=priority))
+                                    arrival_time=arrival, priority=priority, cache_salt=cache_salt))
         return requests

@@ -88,6 +88,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     enforce_eager: bool = False
     structured_outputs_backend: str = "llguidance"
+    tool_call_parser: str = "hermes"  # finds tool calls in text for tool_choice "auto" (serve)
+    generation_config: str = "auto"  # auto: the model's generation_config.json sampling defaults; vllm: none
     disable_plugins: tuple[str, ...] = ()
     # Free-form options for third-party components, read by name.
     plugin_options: dict[str, Any] = field(default_factory=dict)

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specloop.kernel.plugins import PluginManager
 
 from .errors import APIError, AuthenticationError, ServerError
+from .request_id import RequestIdMiddleware
 from .state import ServerLimits, ServerState
 
 logger = logging.getLogger("specloop.server")
@@ -89,7 +90,8 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
             await state.abort_all()
             await engine.shutdown()
 
-    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(RequestIdMiddleware)]
+    middleware += [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.specloop = state

@@ -15,7 +15,9 @@ import orjson
 
 from specloop.kernel.sampling_params import SamplingParams
 
+from . import request_fields
 from .errors import BadRequest, from_value_error
+from .request_fields import ToolRequest
 
 _MISSING = object()
 
@@ -149,7 +151,38 @@ def _sampling_kwargs(f: Fields) -> dict[str, Any]:
         "include_stop_str_in_output": f.bool("include_stop_str_in_output"),
         "skip_special_tokens": f.bool("skip_special_tokens", True),
         "spaces_between_special_tokens": f.bool("spaces_between_special_tokens", True),
+        "bad_words": f.str_list("bad_words"),
+        "allowed_token_ids": f.int_list("allowed_token_ids") or None,
+        "truncate_prompt_tokens": f.int("truncate_prompt_tokens"),
     }
+
+
+@dataclass(slots=True)
+class CommonFields:
+    """What both endpoints read beyond the sampling parameters. Set by :func:`_common`."""
+
+    constraint_param: str | None  # the field that set sampling["structured_outputs"], if any
+    prompt_logprobs: int | None
+    return_tokens_as_token_ids: bool
+    cache_salt: str | None
+    add_special_tokens: bool | None
+    request_id: str | None
+
+
+def _common(f: Fields, sampling: dict[str, Any]) -> CommonFields:
+    request_fields.check_refused(f.body)
+    sampling["structured_outputs"], param = request_fields.structured_outputs(f.body)
+    if f.body.get("detokenize") is False:
+        raise BadRequest("'detokenize' false is not supported by the HTTP API.", param="detokenize")
+    prompt_logprobs = f.int("prompt_logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+        raise BadRequest(f"'prompt_logprobs' must be in [0, 20], got {prompt_logprobs}.", param="prompt_logprobs")
+    cache_salt = f.str("cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise BadRequest("'cache_salt' must not be empty.", param="cache_salt")
+    add_special = f.body.get("add_special_tokens")
+    return CommonFields(param, prompt_logprobs, f.bool("return_tokens_as_token_ids"), cache_salt,
+                        f.bool("add_special_tokens") if add_special is not None else None, f.str("request_id"))
 
 
 def _stream_flags(f: Fields) -> tuple[bool, bool]:
@@ -189,6 +222,7 @@ class CompletionRequest:
     logprobs: int | None
     user: str | None
     priority: int = 0  # lower is served first, with the priority scheduler
+    common: CommonFields | None = None
 
 
 @dataclass(slots=True)
@@ -206,6 +240,11 @@ class ChatRequest:
     user: str | None
     priority: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    common: CommonFields | None = None
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    echo: bool = False
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 def _prompts(value: Any) -> list[Prompt]:
@@ -239,16 +278,18 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     max_tokens = f.int("max_tokens")
     logprobs = f.int("logprobs")
     echo = f.bool("echo")
-    _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    common = _common(f, sampling)
+    # max_tokens 0 with echo scores the prompt only (OpenAI's legacy API and vLLM accept it).
+    _check_sampling({**sampling, "logprobs": logprobs}, 1 if echo and max_tokens == 0 else max_tokens)
     return CompletionRequest(model=f.str("model"), prompts=_prompts(body.get("prompt")), sampling=sampling,
                              max_tokens=max_tokens, stream=stream, include_usage=include_usage, echo=echo,
-                             logprobs=logprobs, user=f.str("user"), priority=f.int("priority", 0))
+                             logprobs=logprobs, user=f.str("user"), priority=f.int("priority", 0), common=common)
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise BadRequest(f"'{where}' must be an object, got {_show(m)}.", param="messages")
@@ -270,7 +311,32 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise BadRequest(f"'{where}.content' must be a string or a list of text parts, got {_show(content)}.",
                          param="messages")
-    return {"role": role, "content": content}
+    message: dict[str, Any] = {"role": role, "content": content}
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"'{where}.tool_call_id' (a string) is required for a tool message.", param="messages")
+        message["tool_call_id"] = m["tool_call_id"]
+    if role == "assistant" and m.get("tool_calls"):
+        message["tool_calls"] = [_tool_call(where, c) for c in m["tool_calls"]]
+    if isinstance(m.get("name"), str):
+        message["name"] = m["name"]
+    return message
+
+
+def _tool_call(where: str, call: Any) -> dict[str, Any]:
+    """An assistant message's tool call, its arguments parsed (chat templates expect an object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
+        raise BadRequest(f"'{where}.tool_calls' entries must be {{\"id\", \"type\": \"function\", \"function\": "
+                         f"{{\"name\", \"arguments\"}}}}, got {_show(call)}.", param="messages")
+    arguments = fn["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError:
+            raise BadRequest(f"'{where}.tool_calls' arguments are not valid JSON: {_show(arguments)}.",
+                             param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 # Arguments of ``apply_chat_template`` itself: a client must not swap the server's template (it runs
@@ -304,9 +370,20 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise BadRequest(f"'top_logprobs' must be in [0, 20], got {top_logprobs}.", param="top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
+    common = _common(f, sampling)
+    tools = request_fields.parse_tools(body)
     _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    continue_final = f.bool("continue_final_message")
+    add_generation_prompt = f.bool("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+                         param="continue_final_message")
+    documents = body.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+        raise BadRequest("'documents' must be a list of objects.", param="documents")
     return ChatRequest(model=f.str("model"), messages=[_message(i, m) for i, m in enumerate(messages)],
                        sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                       logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
+                       logprobs=logprobs, add_generation_prompt=add_generation_prompt,
                        user=f.str("user"), priority=f.int("priority", 0),
-                       chat_template_kwargs=_chat_template_kwargs(f))
+                       chat_template_kwargs=_chat_template_kwargs(f), common=common, tools=tools,
+                       echo=f.bool("echo"), continue_final_message=continue_final, documents=documents)
