@@ -88,7 +88,9 @@ class LLGuidanceBackend:
     def compile(self, params: StructuredOutputsParams, eos_token_ids: tuple[int, ...]) -> Any:
         matcher = self.ll.LLMatcher(self.tokenizer(eos_token_ids), self.grammar(params), log_level=0)
         if matcher.is_error():
-            raise ValueError(_first_lines(matcher.get_error()))
+            what = {"json": "invalid JSON schema", "json_object": "invalid JSON schema", "regex": "invalid regex",
+                    "choice": "invalid choice", "grammar": "invalid grammar"}[params.kind]
+            raise ValueError(f"{what}: {_first_lines(matcher.get_error())}")
         return matcher
 
     def matcher(self, compiled: Any) -> Any:
