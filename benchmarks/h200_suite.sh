@@ -3,7 +3,7 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (stages: tests offline decode decode8b prefill breakdown; the commit is passed in because the
+# (stages: tests offline decode decode8b prefill breakdown structured; the commit is passed in because the
 # tree reaches the GPU machine without .git).
 set -u
 OUT=${OUT:-out/suite}
@@ -58,6 +58,8 @@ for s in $stages; do
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
+    structured) stage structured_outputs "${T_STRUCTURED:-240}" python3 benchmarks/structured_outputs.py --out "$RES" \
+             --ckpt-root "$CKPT" --batch 64 ;;
   esac
 done
 echo "=== done $(date +%T)"
