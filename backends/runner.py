@@ -22,13 +22,14 @@ from typing import Callable, Protocol
 import torch
 
 from specloop.kernel.config import EngineConfig
-from specloop.kernel.outputs import DraftTokenIds, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from specloop.kernel.plugins import PluginManager
 from specloop.models.attention import AttentionBackend
 from specloop.models.config import ModelConfig
 from specloop.models.loader import load_model, resolve_device
 from specloop.models.ops import TORCH_OPS, Ops
 from specloop.proposers.base import ProposerContext
+from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch

@@ -14,10 +14,10 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from specloop.kernel.outputs import GrammarBitmask, TokenLogprobs
+from specloop.kernel.outputs import TokenLogprobs
 from specloop.sampling import sampler as sampling
 from specloop.sampling.rejection import RejectionSampler
-from specloop.sampling.structured_outputs import allowed_ids_bitmask, apply_token_bitmask
+from specloop.sampling.structured_outputs import GrammarBitmask, allowed_ids_bitmask, apply_token_bitmask
 
 from .batch import InputBatch
 from .requests import CachedRequestState

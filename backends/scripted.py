@@ -14,7 +14,7 @@ from typing import Any
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.hookspecs import hookimpl
-from specloop.kernel.outputs import DraftTokenIds, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 
 
 def scripted_next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -77,7 +77,7 @@ class ScriptedModelRunner:
         self._plan = plan
         self.num_executed += 1
 
-    def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: Any = None) -> ModelRunnerOutput:
         """Scripted tokens; a grammar is ignored (this runner has no logits to mask)."""
         plan, self._plan = self._plan, None
         assert plan is not None, "sample_tokens without execute_model"

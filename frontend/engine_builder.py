@@ -78,6 +78,9 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None) -> 
     eos_token_ids = resolve_eos_token_ids(tokenizer, config.model)
     core = EngineCore(config, plugins)
     processor = InputProcessor(config, tokenizer, core.runner.vocab_size, eos_token_ids, core.structured_output)
+    if config.tool_call_parser not in plugins.tool_parsers:
+        raise ValueError(f"unknown tool_call_parser {config.tool_call_parser!r}; registered: "
+                         f"{', '.join(plugins.tool_parsers.names()) or 'none'}")
     if config.generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {config.generation_config!r}")
     defaults = read_generation_defaults(config.model) if config.generation_config == "auto" else {}

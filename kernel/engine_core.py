@@ -76,9 +76,7 @@ class EngineCore:
         """Abort by id; unknown or already finished ids are ignored (invariant 9: a step already
         running for them finishes, and its output for them is dropped by the scheduler)."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        for request in self.structured_output.remove(request_ids):
-            request.status = RequestStatus.FINISHED_ABORTED
-            finished.append(request)
+        finished += self.structured_output.remove(request_ids)  # those still waiting for their grammar
         for request in finished:
             self.requests.pop(request.request_id, None)
         if finished:
@@ -119,12 +117,9 @@ class EngineCore:
         ready, failed = self.structured_output.take_ready(wait=not self.scheduler.has_unfinished_requests())
         for request in ready:
             self.scheduler.add_request(request)
-        for request, _ in failed:
-            request.status = RequestStatus.FINISHED_ERROR
-            self.requests.pop(request.request_id, None)
         if failed:
-            self.hooks.request_finished([request for request, _ in failed])
-        return [EngineCoreOutput(r.request_id, [], finish_reason=FinishReason.ERROR, error=e) for r, e in failed]
+            self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
+        return failed
 
     def post_step(self) -> None:
         drafts = self.runner.take_draft_token_ids()

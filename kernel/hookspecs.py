@@ -106,21 +106,18 @@ def specloop_register_proposers(register: Register) -> None:
 
 @hookspec
 def specloop_register_structured_output_backends(register: Register) -> None:
-    """Contribute structured-output backends (grammar engines). Fires once while the plugin manager is built.
+    """Contribute structured-output backends. Fires once while the plugin manager is built.
 
-    :param register: ``register(name, factory)``; ``factory(config: EngineConfig, vocab_size: int)``
-        returns a :class:`specloop.kernel.protocols.StructuredOutputManager`. Selected by
-        ``EngineConfig.structured_outputs_backend``.
-    """
+    :param register: ``register(name, factory)``; ``factory(config, vocab_size)`` returns a
+        ``StructuredOutputManager``. Selected by ``EngineConfig.structured_outputs_backend``."""
 
 
 @hookspec
 def specloop_register_tool_parsers(register: Register) -> None:
-    """Contribute tool-call parsers (tool calls in a model's text). Fires once while the plugin manager is built.
+    """Contribute tool-call parsers. Fires once while the plugin manager is built.
 
-    :param register: ``register(name, factory)``; ``factory()`` returns a
-        ``specloop.frontend.tool_parsers.ToolParser``. Selected by ``--tool-call-parser``.
-    """
+    :param register: ``register(name, factory)``; ``factory()`` returns a ``ToolParser``
+        (``frontend/tool_parsers.py``). Selected by ``EngineConfig.tool_call_parser``."""
 
 
 @hookspec

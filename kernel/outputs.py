@@ -69,15 +69,6 @@ class SchedulerOutput:
         return len(self.num_scheduled_tokens)
 
 
-@dataclass(frozen=True, slots=True)
-class GrammarBitmask:
-    """A plan's structured rows' allowed tokens. Set by the structured-output manager; applied by the runner."""
-
-    req_ids: list[str]  # structured requests that sample this step, in plan order
-    num_rows: list[int]  # per request: one row per draft verified, plus one
-    bitmask: object  # numpy int32 [sum(num_rows), ceil(vocab / 32)]; bit v of a row set: token v allowed
-
-
 @dataclass(slots=True)
 class TokenLogprobs:
     """Log-probabilities at one position: the chosen token's and the top-k alternatives'."""

@@ -37,12 +37,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    detokenize: bool = True
     structured_outputs: Any = None  # a specloop.sampling.structured_outputs.StructuredOutputsParams
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
-    extra_args: dict[str, Any] | None = None  # free-form, for plugins
     # Set by the frontend from bad_words: each word's token ids (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
@@ -100,13 +98,12 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers.")
-        check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
-              and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids",
-              "must be a non-empty list of token ids.")
+        ids = self.allowed_token_ids
+        check(ids is None or (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)),
+              "allowed_token_ids", "must be a non-empty list of token ids.")
         check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "must be non-empty strings.")
-        check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
-              and self.truncate_prompt_tokens >= 1), "truncate_prompt_tokens",
-              f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}.")
+        k = self.truncate_prompt_tokens
+        check(k is None or (isinstance(k, int) and k >= 1), "truncate_prompt_tokens", f"must be >= 1, got {k!r}.")
         if self.logit_bias:
             check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
                   "values must be in [-100, 100].")

@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import numpy as np
 
-from specloop.kernel.outputs import EngineCoreOutputs, GrammarBitmask, SchedulerOutput
-from specloop.kernel.request import Request, RequestStatus
+from specloop.kernel.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput
+from specloop.kernel.request import FinishReason, Request, RequestStatus
+
+from .structured_outputs import GrammarBitmask
 
 if TYPE_CHECKING:
     from .structured_outputs import StructuredOutputsParams
@@ -113,7 +115,10 @@ class StructuredOutputs:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def take_ready(self, wait: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+    def take_ready(self, wait: bool) -> tuple[list[Request], list[EngineCoreOutput]]:
+        """Requests whose grammar compiled (now ``WAITING``, for the scheduler), and the outputs
+        finishing those whose grammar failed; with ``wait``, blocks up to :attr:`WAIT_S` for a
+        compilation to finish (an idle engine would otherwise spin)."""
         if not self._pending:
             return [], []
         if wait:
@@ -126,7 +131,9 @@ class StructuredOutputs:
             del self._pending[rid]
             error = future.exception()
             if error is not None:
-                failed.append((request, f"structured_outputs: {error}"))
+                request.status = RequestStatus.FINISHED_ERROR
+                failed.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR,
+                                               error=f"structured_outputs: {error}"))
                 continue
             self.matchers[rid] = self.backend.matcher(future.result())
             self._requests[rid] = request
@@ -170,10 +177,12 @@ class StructuredOutputs:
                 self._forget(out.req_id)
 
     def remove(self, request_ids: Iterable[str]) -> list[Request]:
+        """Forget aborted requests; those still waiting for their grammar are returned, aborted."""
         waiting = []
         for rid in request_ids:
             pending = self._pending.pop(rid, None)
             if pending is not None:
+                pending[0].status = RequestStatus.FINISHED_ABORTED
                 waiting.append(pending[0])
             self._forget(rid)
         return waiting

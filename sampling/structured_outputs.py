@@ -72,6 +72,16 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """The tokens a plan's structured rows may take. Set by the structured-output manager after
+    ``execute_model``; applied by the runner before sampling and at every draft position."""
+
+    req_ids: list[str]  # structured requests that sample this step, in plan order
+    num_rows: list[int]  # per request: one row per draft verified, plus one
+    bitmask: Any  # numpy int32 [sum(num_rows), ceil(vocab / 32)]; bit v of a row set: token v allowed
+
+
 def num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

@@ -13,12 +13,13 @@ from .errors import BadRequest
 from .state import ServerState
 
 
-def generation_defaults(state: ServerState, body: dict[str, Any], sampling: dict[str, Any]) -> None:
+def generation_defaults(state: ServerState, body: dict[str, Any], req: Any) -> None:
     """The model's ``generation_config.json`` sampling defaults, for the fields the body leaves out
-    (vLLM's ``--generation-config auto``; ``vllm`` turns them off)."""
+    (vLLM's ``--generation-config auto``; ``vllm`` turns them off). ``max_tokens`` keeps its own
+    default, what fits in the context."""
     for name, value in getattr(state.engine, "generation_defaults", {}).items():
-        if body.get(name) is None and name in sampling:
-            sampling[name] = value
+        if body.get(name) is None and name in req.sampling:
+            req.sampling[name] = value
 
 
 async def check_grammar(state: ServerState, params: SamplingParams, param: str | None) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from specloop.kernel.outputs import GrammarBitmask
 from specloop.kernels.sampling import gumbel_sample
+from specloop.sampling.structured_outputs import GrammarBitmask
 
 from ..batch import InputBatch
 from ..requests import CachedRequestState
