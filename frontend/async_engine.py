@@ -112,6 +112,7 @@ class AsyncEngine:
         grammar = self.processor.compile_grammar(params)
         if grammar is not None:
             await asyncio.wrap_future(grammar)  # an invalid schema raises ValueError here
+        cache_salt = cache_salt if cache_salt is not None else self.processor.cache_salt(prompt)
         requests = self.processor.make_requests(request_id, prompt_ids, params, priority, cache_salt=cache_salt)
         await self.start()
         if request_id in self._states:

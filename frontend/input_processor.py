@@ -14,7 +14,8 @@ from specloop.sampling.structured_outputs import StructuredOutputsParams
 
 from .tokenizer import Tokenizer
 
-# A text prompt, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (vLLM's prompt dicts).
+# A text prompt, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (vLLM's prompt dicts, which
+# may also carry a "cache_salt").
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
@@ -45,9 +46,10 @@ class InputProcessor:
     def parse(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token-id prompts) and its token ids."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unsupported prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+                raise ValueError(f"unsupported prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
+                                 "(and 'cache_salt')")
             if prompt.get("prompt_token_ids") is not None:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
@@ -76,6 +78,14 @@ class InputProcessor:
     def default_max_tokens(self, prompt_len: int) -> int:
         """How many tokens fit after a prompt of ``prompt_len`` tokens."""
         return max(self.max_model_len - prompt_len, 0)
+
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
 
     @staticmethod
     def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:

@@ -111,14 +111,15 @@ class LLM:
                 grammar = self.processor.compile_grammar(params)
                 if grammar is not None:
                     grammar.result()
+                salt = self.processor.cache_salt(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            parsed.append((text, ids, params))
+            parsed.append((text, ids, params, salt))
         states: list[RequestTracker] = []
         owner: dict[str, RequestTracker] = {}
-        for text, ids, params in parsed:
+        for text, ids, params, salt in parsed:
             request_id = str(next(self._ids))
-            requests = self.processor.make_requests(request_id, ids, params)
+            requests = self.processor.make_requests(request_id, ids, params, cache_salt=salt)
             state = RequestTracker(request_id, text, requests, self.tokenizer)
             states.append(state)
             owner.update((r.request_id, state) for r in requests)

@@ -194,3 +194,18 @@ def test_misspelt_speculative_config_keys_are_refused():
 
     with pytest.raises(ValueError, match="num_speculative_token"):
         SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_token": 3})
+
+
+def test_cache_salt_separates_prefix_caches(llm):
+    prompt = "x = 1\n" * 40  # several full blocks
+    params = SamplingParams(max_tokens=1)
+
+    def hits(**salt) -> int:
+        before = llm.get_metrics()["prefix_cache_hits"]
+        llm.generate([{"prompt": prompt, **salt}], params, use_tqdm=False)
+        return llm.get_metrics()["prefix_cache_hits"] - before
+
+    hits()
+    assert hits() > 0  # the same prompt again: cached
+    assert hits(cache_salt="tenant-a") == 0  # another salt: not shared
+    assert hits(cache_salt="tenant-a") > 0
