@@ -34,14 +34,28 @@ class LLGuidanceBackend:
     """
 
     def __init__(self, tokenizer_dir: str | None, vocab_size: int, num_threads: int | None = None) -> None:
-        import llguidance
-
-        self.ll = llguidance
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
+        self.num_threads = num_threads
         self._tokenizers: dict[tuple[int, ...], Any] = {}
-        self._lock = threading.Lock()
-        self._executor = llguidance.LLExecutor(num_threads)
+        self._lock = threading.RLock()
+        self._ll: Any = None
+        self._executor: Any = None
+
+    @property
+    def ll(self) -> Any:
+        """llguidance, imported on first use: an engine that serves no constrained request needs
+        neither the package nor its thread pool."""
+        with self._lock:
+            if self._ll is None:
+                try:
+                    import llguidance
+                except ImportError:
+                    raise ValueError("structured outputs need the llguidance package (pip install llguidance)"
+                                     ) from None
+                self._executor = llguidance.LLExecutor(self.num_threads)
+                self._ll = llguidance
+        return self._ll
 
     def tokenizer(self, eos_token_ids: tuple[int, ...]) -> Any:
         with self._lock:
