@@ -84,18 +84,29 @@ class ToolOutput:
 @dataclass(slots=True)
 class ToolStream:
     """One choice's stream: content deltas as they come (held back from where a tool call may
-    start), then the calls as OpenAI's ``tool_calls`` deltas when the choice finishes."""
+    start), then the calls as OpenAI's ``tool_calls`` deltas when the choice finishes; a named
+    function's arguments stream as they come."""
 
     output: ToolOutput
     text: str = ""
     sent: int = 0  # characters of text sent as content
     held: bool = False  # a tool call has started: nothing more is content until the end
+    call_id: str | None = None  # the named function's call, once announced
 
-    def feed(self, delta: str) -> str:
-        """Content to send now for ``delta``."""
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """Content to send now for ``delta``, and tool-call deltas."""
         self.text += delta
+        if self.output.choice == "named":
+            deltas = []
+            if self.call_id is None:
+                self.call_id = ToolCall(self.output.named or "", "").id
+                deltas.append({"index": 0, "id": self.call_id, "type": "function",
+                               "function": {"name": self.output.named, "arguments": ""}})
+            if delta:
+                deltas.append({"index": 0, "function": {"arguments": delta}})
+            return "", deltas
         if not self.output.streams_content or self.held:
-            return ""
+            return "", []
         start = self.output.parser.start_token if (self.output.choice == "auto" and self.output.parser) else None
         end = len(self.text)
         if start:
@@ -108,10 +119,12 @@ class ToolStream:
                         end = len(self.text) - k
                         break
         out, self.sent = self.text[self.sent:end], end
-        return out
+        return out, []
 
     def finish(self, finish_reason: str | None) -> tuple[str, list[dict[str, Any]], str | None]:
         """(content still to send, tool-call deltas, the finish reason to report)."""
+        if self.output.choice == "named":  # its arguments went out as they came
+            return "", [], "tool_calls" if finish_reason == "stop" else finish_reason
         content, calls = self.output.split(self.text, finish_reason)
         if not calls:
             rest = self.text[self.sent:]

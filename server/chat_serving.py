@@ -63,7 +63,10 @@ async def stream_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> 
                     continue
                 stream = streams[c.index]
                 logprobs = ctx.logprobs_of(state, c.token_ids, c.logprobs) if c.token_ids else None
-                content = stream.feed(c.text)
+                content, call_deltas = stream.feed(c.text)
+                for call in call_deltas:
+                    yield chunk([{"index": c.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                  "finish_reason": None}])
                 if c.finish_reason is None:
                     if content or logprobs:
                         yield chunk([{"index": c.index, "delta": {"content": content} if content else {},

@@ -23,14 +23,22 @@ def test_hermes_parser_finds_calls_and_keeps_the_content():
 
 def test_stream_holds_content_back_from_a_tool_call_and_sends_calls_at_the_end():
     stream = ToolStream(ToolOutput("auto", parser=HermesToolParser()))
-    sent = "".join(stream.feed(TEXT[i:i + 3]) for i in range(0, len(TEXT), 3))
+    sent = "".join(stream.feed(TEXT[i:i + 3])[0] for i in range(0, len(TEXT), 3))
     assert sent == "Let me look.\n"
     rest, deltas, finish = stream.finish("stop")
     assert rest == "" and finish == "tool_calls"
     assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and deltas[0]["id"]
     assert json.loads(deltas[1]["function"]["arguments"]) == {"city": "Oslo"}
     plain = ToolStream(ToolOutput("auto", parser=HermesToolParser()))
-    assert plain.feed("a <tool") == "a " and plain.finish("stop") == ("<tool", [], "stop")
+    assert plain.feed("a <tool") == ("a ", []) and plain.finish("stop") == ("<tool", [], "stop")
+
+
+def test_a_named_function_streams_its_arguments():
+    stream = ToolStream(ToolOutput("named", named="f"))
+    first, second = stream.feed('{"a"'), stream.feed(": 1}")
+    assert first[0] == "" and first[1][0]["function"] == {"name": "f", "arguments": ""}
+    assert [d["function"]["arguments"] for d in first[1][1:] + second[1]] == ['{"a"', ": 1}"]
+    assert stream.finish("stop") == ("", [], "tool_calls")
 
 
 def test_required_calls_round_trip_through_their_schema():
