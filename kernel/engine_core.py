@@ -90,7 +90,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         t0 = time.perf_counter()
-        failed = self._admit_compiled_grammars()
+        # Requests whose grammar compiled join the scheduler; those whose grammar failed finish.
+        ready, failed = self.structured_output.take_ready(wait=not self.scheduler.has_unfinished_requests())
+        for request in ready:
+            self.scheduler.add_request(request)
+        if failed:
+            self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
         plan = self.scheduler.schedule()
         preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
         if preempted:
@@ -111,15 +116,6 @@ class EngineCore:
         self._emit_step_events(plan, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})
         return outputs
-
-    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
-        """Requests whose grammar compiled join the scheduler; those whose grammar failed finish."""
-        ready, failed = self.structured_output.take_ready(wait=not self.scheduler.has_unfinished_requests())
-        for request in ready:
-            self.scheduler.add_request(request)
-        if failed:
-            self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
-        return failed
 
     def post_step(self) -> None:
         drafts = self.runner.take_draft_token_ids()

@@ -209,3 +209,17 @@ def test_cache_salt_separates_prefix_caches(llm):
     assert hits() > 0  # the same prompt again: cached
     assert hits(cache_salt="tenant-a") == 0  # another salt: not shared
     assert hits(cache_salt="tenant-a") > 0
+
+
+def test_a_grammar_that_fails_in_the_engine_finishes_its_request_only(llm):
+    core = llm.core
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a(b"))
+    good = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    core.add_requests([Request("bad", [5, 6], bad, eos_token_ids=(0,)), Request("good", [5, 6], good, eos_token_ids=(0,))])
+    outs = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            outs.setdefault(out.req_id, []).append(out)
+        core.post_step()
+    assert outs["bad"][-1].finish_reason == "error" and "regex" in outs["bad"][-1].error
+    assert outs["good"][-1].finished and outs["good"][-1].finish_reason != "error"
