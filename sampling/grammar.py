@@ -14,8 +14,9 @@ Where it sits in a step (``specloop.kernel.engine_core.EngineCore.step``)::
 
 A matcher only ever holds committed tokens: drafts are consumed and rolled back while the masks are
 filled, rejected drafts never reach it, and a preempted request keeps its committed tokens (and so
-its matcher) when it is recomputed. With asynchronous scheduling the previous step's ``commit``
-must run before the next plan's ``grammar_bitmask``, which the order above gives.
+its matcher) when it is recomputed. The order above is the synchronous step's; with asynchronous
+scheduling the previous plan's ``commit`` must still come before the next plan's
+``grammar_bitmask`` (``docs/structured_outputs.md`` says how).
 
 Grammars compile on a small thread pool, never on the step thread; a request waits in
 ``WAITING_FOR_GRAMMAR`` outside the scheduler until its grammar is ready. Compiled grammars are
@@ -63,8 +64,6 @@ class GrammarBackend(Protocol):
 
     def accept(self, matcher: Any, token_ids: list[int]) -> bool:
         """Advance by committed tokens; False when the grammar refuses one."""
-
-    def rollback(self, matcher: Any, num_tokens: int) -> None: ...
 
 
 class StructuredOutputs:

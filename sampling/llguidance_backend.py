@@ -128,9 +128,6 @@ class LLGuidanceBackend:
                 return False
         return True
 
-    def rollback(self, matcher: Any, num_tokens: int) -> None:
-        matcher.rollback(num_tokens)
-
 
 def _first_lines(message: str, limit: int = 600) -> str:
     message = message.strip()
