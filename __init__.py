@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "specloop.frontend.request_output",
     "CompletionOutput": "specloop.frontend.request_output",
     "SamplingParams": "specloop.kernel.sampling_params",
+    "StructuredOutputsParams": "specloop.sampling.structured_outputs",
     "EngineConfig": "specloop.kernel.config",
     "SpeculativeConfig": "specloop.kernel.config",
     "hookimpl": "specloop.kernel.hookspecs",

@@ -139,6 +139,7 @@ class TensorParallelRunner:
         size = config.tensor_parallel_size
         self.failure: str | None = None
         self._closing = False
+        self._broken = False  # a step failed half-way: the workers are not listening for messages
         self.workers: list[Any] = []
         device = resolve_device(config.device)
         if torchrun_rank() is not None:
@@ -237,13 +238,22 @@ class TensorParallelRunner:
             self._send("step", plan)
             self.local.execute_model(plan)
         except RuntimeError as e:
+            self._broken = True
             self._failed(e)
+        except BaseException:
+            self._broken = True  # the workers may wait in a collective rank 0 never joins
+            raise
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: Any = None) -> ModelRunnerOutput:
+        """``grammar`` masks rank 0's sampling; the other ranks adopt its tokens."""
         try:
-            return self.local.sample_tokens()
+            return self.local.sample_tokens(grammar)
         except RuntimeError as e:
+            self._broken = True
             self._failed(e)
+        except BaseException:
+            self._broken = True
+            raise
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.local.take_draft_token_ids()
@@ -253,7 +263,7 @@ class TensorParallelRunner:
             return
         self._closing = True
         atexit.unregister(self.shutdown)
-        if self.failure is None and all(p.is_alive() for p in self.workers):
+        if self.failure is None and not self._broken and all(p.is_alive() for p in self.workers):
             try:
                 self.tp.broadcast_object(("shutdown",))
             except (dist.DistBackendError, RuntimeError):

@@ -31,6 +31,7 @@ from specloop.models.loader import load_model, resolve_device
 from specloop.models.ops import TORCH_OPS, Ops
 from specloop.models.parallel import SINGLE, TensorParallel
 from specloop.proposers.base import ProposerContext
+from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
@@ -68,7 +69,8 @@ class Sampler(Protocol):
         """Whether :meth:`sample` can leave this batch's tokens on the device (``defer=True``)."""
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult: ...
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
+               grammar: GrammarBitmask | None = None) -> SampleResult: ...
 
 
 @dataclass(slots=True)
@@ -186,6 +188,8 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None:
             proposer = self.plugins.proposers.create(spec.method, config=self.config, context=self.proposer_context())
+            # A proposer with a cache over the target's hidden states needs a prefix hit's last block recomputed.
+            spec.reads_target_hidden_states = proposer.runs_on_prefill_chunks
             policy = self.plugins.speculation_policies.create(spec.policy, config=self.config)
             self.drafter = DraftingStage(proposer, policy)
         self.parts = self.platform.parts(self)
@@ -274,23 +278,24 @@ class ModelRunner:
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return compute_logits(self.model, hidden_states)
 
-    def sample_tokens(self) -> ModelRunnerOutput | PendingOutput:
-        """The last executed plan's tokens. With asynchronous scheduling a :class:`PendingOutput`
-        whose ``result()`` waits for them: on a worker thread (CPU), or for the device-to-host copy
-        of tokens that already feed the next step on the device (CUDA)."""
+    def sample_tokens(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput | PendingOutput:
+        """The last executed plan's tokens, ``grammar`` masking its structured rows. With
+        asynchronous scheduling a :class:`PendingOutput` whose ``result()`` waits for them: on a
+        worker thread (CPU), or for the device-to-host copy of tokens that already feed the next
+        step on the device (CUDA)."""
         if self._worker is not None:
             executing, self._executing = self._executing, None
-            sampling = self._worker.submit(self._sample_after, executing)
+            sampling = self._worker.submit(self._sample_after, executing, grammar)
             return PendingOutput(sampling.result)
-        return self._sample()
+        return self._sample(grammar)
 
-    def _sample_after(self, executing: Future[None] | None) -> ModelRunnerOutput:
+    def _sample_after(self, executing: Future[None] | None, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
         if executing is not None:
             executing.result()  # re-raise what went wrong while executing
-        out = self._sample()
+        out = self._sample(grammar)
         return out.result() if isinstance(out, PendingOutput) else out
 
-    def _sample(self) -> ModelRunnerOutput | PendingOutput:
+    def _sample(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput | PendingOutput:
         step, self.executed = self.executed, None
         if step is None:
             raise RuntimeError("sample_tokens called without execute_model")
@@ -299,11 +304,11 @@ class ModelRunner:
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampler = self.parts.sampler
-        defer = self.async_scheduling and sampler.can_defer(batch)
+        defer = self.async_scheduling and grammar is None and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
         draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
-        result = sampler.sample(batch, step.hidden_states, self.requests, draft_probs, defer=defer)
+        result = sampler.sample(batch, step.hidden_states, self.requests, draft_probs, defer=defer, grammar=grammar)
         span = self._device_span(step.device_start)
         if result.wait is not None:
             self._pending = self._provisional_placeholders(batch, result, span)

@@ -17,6 +17,7 @@ from torch import nn
 from specloop.kernel.outputs import TokenLogprobs
 from specloop.sampling import sampler as sampling
 from specloop.sampling.rejection import RejectionSampler
+from specloop.sampling.structured_outputs import GrammarBitmask, allowed_ids_bitmask, apply_token_bitmask
 
 from .batch import InputBatch
 from .requests import CachedRequestState
@@ -53,18 +54,22 @@ class SamplingStage:
         # Per request, prompt-logprob entries already reported; survives preemption so that a
         # recomputed prefill does not report them twice.
         self.prompt_logprobs_sent: dict[str, int] = {}
+        self.allowed_masks: dict[str, torch.Tensor] = {}  # packed allowed_token_ids, per request
 
     def forget(self, finished: Iterable[str]) -> None:
         for rid in finished:
             self.prompt_logprobs_sent.pop(rid, None)
+            self.allowed_masks.pop(rid, None)
 
     def can_defer(self, batch: InputBatch) -> bool:
         return False
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
+               grammar: GrammarBitmask | None = None) -> SampleResult:
         logits = self.logits(batch, hidden_states)
         meta, sample_logits = self.sampling_inputs(batch, logits, requests)
+        self.apply_token_masks(batch, sample_logits, requests, grammar)
         sampled, logprobs = self.draw(batch, meta, sample_logits, draft_probs)
         return SampleResult(sampled, logprobs, self.prompt_logprobs(batch, logits, requests))
 
@@ -100,6 +105,49 @@ class SamplingStage:
                 indices.append(first + j)
         meta = sampling.SamplingMetadata.build(rows, self.vocab_size, self.device)
         return meta, logits[torch.tensor(indices, dtype=torch.int64, device=logits.device)]
+
+    def apply_token_masks(self, batch: InputBatch, logits: torch.Tensor, requests: dict[str, CachedRequestState],
+                          grammar: GrammarBitmask | None) -> None:
+        """In place, before sampling and verification (so a draft the grammar forbids is rejected):
+        each structured row keeps only what its grammar allows at that position, and each row of a
+        request with ``allowed_token_ids`` only those ids. The logprobs reported are then those of
+        the masked distribution, as vLLM's are."""
+        grammar_rows: dict[str, tuple[int, int]] = {}
+        if grammar is not None:
+            start = 0
+            for rid, n in zip(grammar.req_ids, grammar.num_rows):
+                grammar_rows[rid] = (start, n)
+                start += n
+            packed = torch.from_numpy(grammar.bitmask)
+        masks, rows, row = [], [], 0
+        for i, rid in enumerate(batch.req_ids):
+            count = batch.sample_rows[i][1]
+            if not count:
+                continue
+            allowed = self._allowed_mask(rid, requests[rid])
+            span = grammar_rows.get(rid)
+            if span is not None:
+                if span[1] != count:
+                    raise RuntimeError(f"request {rid!r}: {span[1]} grammar rows for {count} sampled rows")
+                mask = packed[span[0]:span[0] + count]
+                masks.append(mask & allowed if allowed is not None else mask)
+            elif allowed is not None:
+                masks.append(allowed.expand(count, -1))
+            if span is not None or allowed is not None:
+                rows.extend(range(row, row + count))
+            row += count
+        if rows:
+            apply_token_bitmask(logits, torch.cat(masks).to(logits.device),
+                                torch.tensor(rows, dtype=torch.int64, device=logits.device))
+
+    def _allowed_mask(self, rid: str, state: CachedRequestState) -> torch.Tensor | None:
+        ids = state.sampling_params.allowed_token_ids
+        if ids is None:
+            return None
+        mask = self.allowed_masks.get(rid)
+        if mask is None:
+            mask = self.allowed_masks[rid] = allowed_ids_bitmask(ids, self.vocab_size)
+        return mask
 
     def draw(self, batch: InputBatch, meta: sampling.SamplingMetadata, logits: torch.Tensor,
              draft_probs: dict[str, torch.Tensor | None]) -> tuple[list[list[int]], Logprobs | None]:

@@ -78,7 +78,8 @@ class ScriptedModelRunner:
         self._plan = plan
         self.num_executed += 1
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar: Any = None) -> ModelRunnerOutput:
+        """Scripted tokens; a grammar is ignored (this runner has no logits to mask)."""
         plan, self._plan = self._plan, None
         assert plan is not None, "sample_tokens without execute_model"
         req_ids, sampled = [], []

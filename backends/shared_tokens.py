@@ -16,6 +16,7 @@ import torch
 
 from specloop.models.parallel import TensorParallel
 
+from specloop.sampling.structured_outputs import GrammarBitmask
 from .batch import InputBatch
 from .requests import CachedRequestState
 from .runner import Sampler
@@ -41,8 +42,9 @@ class BroadcastSampledTokens:
         return False  # the broadcast needs the tokens on the host
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
-        result = self.inner.sample(batch, hidden_states, requests, draft_probs)
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
+               grammar: GrammarBitmask | None = None) -> SampleResult:
+        result = self.inner.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         num_reqs, num_rows = _sizes(batch)
         # [emitted count per request | the tokens, request after request | padding]; a request
         # emits at most one token per sampled row.
@@ -68,7 +70,8 @@ class ReceiveSampledTokens:
         return False
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
+               grammar: GrammarBitmask | None = None) -> SampleResult:
         if batch.precomputed_logits is None:  # else a CUDA graph gathered them on every rank already
             self.reference.logits(batch, hidden_states)
         num_reqs, num_rows = _sizes(batch)

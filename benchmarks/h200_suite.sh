@@ -3,7 +3,7 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (stages: tests offline decode decode8b prefill breakdown serving spec spec8b deepseek; the commit is passed in because
+# (stages: tests offline decode decode8b prefill breakdown serving spec spec8b deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -88,6 +88,8 @@ for s in $stages; do
              --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256
       stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \
              --ckpt-root "$CKPT" --shape deepseek-v2-lite --peer-time-limit "${PEER_S:-40}" ;;
+    structured) stage structured_outputs "${T_STRUCTURED:-240}" python3 benchmarks/structured_outputs.py --out "$RES" \
+             --ckpt-root "$CKPT" --batch 64 ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -212,7 +212,7 @@ def main() -> None:
                     spec["model"] = args.draft_model
                 options: dict[str, Any] = {}
                 if args.alpha is not None:
-                    spec.update(method="controlled", wraps=method, alpha=args.alpha)
+                    spec.update(method="controlled", extra={"wraps": method, "alpha": args.alpha})
                     truth = {tuple(p): t for p, t in zip(batch, base.stats["tokens"])}
                     options["controlled"] = {"continuations": truth}
                 engine = Engine(args, batch, b, spec, options)

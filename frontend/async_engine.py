@@ -57,6 +57,7 @@ class AsyncEngine:
         self.model_name: str = built.model_name
         self.vocab_size: int = built.vocab_size
         self.processor = built.processor
+        self.generation_defaults = built.generation_defaults
         self.async_core: AsyncEngineCore | EngineProcessClient = (
             client if client is not None else AsyncEngineCore(built.core, step_in_thread=step_in_thread))
         self.stats = EngineStats()
@@ -115,22 +116,29 @@ class AsyncEngine:
         return self.processor.encode(text, add_special_tokens)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, delta: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, delta: bool = False, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.
 
         :param prompt: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
         :param delta: each output carries only what is new per completion (text, token ids,
             logprobs); otherwise everything so far. The last output has ``finished=True``.
+        :param cache_salt: mixed into the prefix-cache hash: only requests with the same salt share
+            cached blocks.
         :raises ValueError: invalid input, before anything is enqueued.
         :raises EngineDeadError: the engine failed while serving the request.
 
         Cancelling the consuming task, or closing the generator early, aborts the request (all
         ``n`` completions) in the core.
         """
+        grammar = self.processor.compile_grammar(params)
+        if grammar is not None:
+            await asyncio.wrap_future(grammar)  # an invalid schema raises ValueError here
+        cache_salt = cache_salt if cache_salt is not None else self.processor.cache_salt(prompt)
         if prompt_size(prompt) > _INLINE_PROMPT_SIZE or sum(map(len, getattr(params, "stop", ()))) > _INLINE_STOP_CHARS:
-            state = await asyncio.to_thread(self._prepare, prompt, params, request_id, priority)
+            state = await asyncio.to_thread(self._prepare, prompt, params, request_id, priority, cache_salt)
         else:
-            state = self._prepare(prompt, params, request_id, priority)
+            state = self._prepare(prompt, params, request_id, priority, cache_salt)
         requests = state.requests
         await self.start()
         if request_id in self._states:
@@ -168,12 +176,14 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             self.stats.record_finished(state)
 
-    def _prepare(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int) -> RequestTracker:
+    def _prepare(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int,
+                 cache_salt: str | None) -> RequestTracker:
         """Tokenize, validate, and build the request's core requests and its tracker (the
         detokenizers and the stop-string automaton)."""
         prompt_text, prompt_ids = self.processor.parse(prompt)
+        prompt_ids = self.processor.truncate(prompt_ids, params)
         self.validate(prompt_ids, params)
-        requests = self.processor.make_requests(request_id, prompt_ids, params, priority)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority, cache_salt=cache_salt)
         return RequestTracker(request_id, prompt_text, requests, self.tokenizer)
 
     async def abort(self, request_id: str) -> None:

@@ -100,6 +100,8 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.model_name = first.model_name
         self.vocab_size = first.vocab_size
+        self.processor = first.processor  # every replica parses, checks and tokenizes alike
+        self.generation_defaults = first.generation_defaults
         self.router = Router(len(self.replicas), first.config.block_size,
                              min(r.config.num_kv_blocks or 0 for r in self.replicas), max_imbalance)
         self._owner: dict[str, int] = {}
@@ -158,7 +160,8 @@ class DataParallelEngine:
         return self.replicas[0].encode(text, add_special_tokens)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, delta: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, delta: bool = False, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """:meth:`AsyncEngine.generate` on the replica the router picks."""
         text, ids = self.replicas[0].processor.parse(prompt)
         hashes = block_hashes(ids, self.router.block_size)
@@ -167,7 +170,8 @@ class DataParallelEngine:
         self._owner[request_id] = replica
         try:
             async for out in self.replicas[replica].generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                                             request_id, priority=priority, delta=delta):
+                                                             request_id, priority=priority, delta=delta,
+                                                             cache_salt=cache_salt):
                 yield out
         finally:
             self.router.finished(replica)

@@ -4,7 +4,7 @@ and input processor. Everything resolved here is resolved once, for the engine's
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from specloop.kernel.config import EngineConfig
@@ -13,7 +13,7 @@ from specloop.kernel.plugins import PluginManager
 
 from .input_processor import InputProcessor
 from .model_path import resolve_model
-from .tokenizer import Tokenizer, read_generation_eos_ids
+from .tokenizer import Tokenizer, read_generation_defaults, read_generation_eos_ids
 
 
 def make_config(model: str | None, engine_args: dict[str, Any]) -> EngineConfig:
@@ -58,6 +58,8 @@ class BuiltEngine:
     processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
     model_name: str
     vocab_size: int
+    # The model's generation_config.json sampling defaults (SamplingParams fields), unless turned off.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
@@ -79,11 +81,20 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
     core: EngineCore | None = None
     if start_core is None:
         core = EngineCore(config, plugins)
-        vocab_size = core.runner.vocab_size
+        vocab_size, structured = core.runner.vocab_size, core.structured_output
     else:
         config, vocab_size = start_core(config)
-    processor = InputProcessor(config, tokenizer, vocab_size, eos_token_ids)
-    return BuiltEngine(config, core, tokenizer, processor, model_name(config), vocab_size)
+        # The core compiles grammars in its own process; this one checks them before sending.
+        structured = plugins.structured_output_backends.create(config.structured_outputs_backend, config=config,
+                                                               vocab_size=vocab_size)
+    processor = InputProcessor(config, tokenizer, vocab_size, eos_token_ids, structured)
+    if config.tool_call_parser not in plugins.tool_parsers:
+        raise ValueError(f"unknown tool_call_parser {config.tool_call_parser!r}; registered: "
+                         f"{', '.join(plugins.tool_parsers.names()) or 'none'}")
+    if config.generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config must be 'auto' or 'vllm', got {config.generation_config!r}")
+    defaults = read_generation_defaults(config.model) if config.generation_config == "auto" else {}
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config), vocab_size, defaults)
 
 
 def resolve_tokenizer(path: str) -> str:

@@ -3,16 +3,19 @@ validation against the model (vocabulary, context length), and the ``n > 1`` fan
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Union
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.request import Request
 from specloop.kernel.sampling_params import SamplingParams
+from specloop.sampling.structured_outputs import StructuredOutputsParams
 
 from .tokenizer import Tokenizer
 
-# A text prompt, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (vLLM's prompt dicts).
+# A text prompt, token ids, or {"prompt": text} / {"prompt_token_ids": ids} (vLLM's prompt dicts, which
+# may also carry a "cache_salt").
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
@@ -35,22 +38,25 @@ class InputProcessor:
     :param tokenizer: None when the engine runs without one (token-id prompts only).
     :param vocab_size: the model's vocabulary size (may exceed the tokenizer's).
     :param eos_token_ids: ids that end a completion unless ``ignore_eos``.
+    :param structured_output: the engine's structured-output manager (compiles grammars).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], structured_output: Any = None) -> None:
         assert config.max_model_len is not None, "the engine config must be resolved first"
         self.max_model_len: int = config.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.structured_output = structured_output
 
     def parse(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token-id prompts) and its token ids."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise ValueError(f"unsupported prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids'")
+                raise ValueError(f"unsupported prompt keys {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
+                                 "(and 'cache_salt')")
             if prompt.get("prompt_token_ids") is not None:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
@@ -80,10 +86,41 @@ class InputProcessor:
         """How many tokens fit after a prompt of ``prompt_len`` tokens."""
         return max(self.max_model_len - prompt_len, 0)
 
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        return salt
+
+    @staticmethod
+    def truncate(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the engine sees it: its last ``truncate_prompt_tokens`` tokens, if set."""
+        k = params.truncate_prompt_tokens
+        return prompt_token_ids[-k:] if k is not None and len(prompt_token_ids) > k else prompt_token_ids
+
+    def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
+        """Start compiling the request's grammar (in the engine's cache, off this thread); the
+        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured_output is None:
+            raise ValueError("structured_outputs: this engine has no structured-output backend")
+        return self.structured_output.compile(params.structured_outputs, self.eos_token_ids)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this engine runs without one (skip_tokenizer_init)")
+            # vLLM's rule: the word alone and after a space; each sequence is banned where it would end.
+            words = {tuple(self.tokenizer.encode(p + w.lstrip(), add_special_tokens=False))
+                     for w in params.bad_words for p in ("", " ")}
+            params.bad_words_token_ids = [list(w) for w in sorted(words) if w]
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
@@ -105,7 +142,8 @@ class InputProcessor:
                              "(skip_tokenizer_init); use stop_token_ids instead")
 
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+                      priority: int = 0, arrival_time: float | None = None,
+                      cache_salt: str | None = None) -> list[Request]:
         """One request, or ``n`` child requests (ids ``f"{i}_{request_id}"``, seeds ``seed + i``)."""
         # Checked here, not in the scheduler's step: a bad id or priority must fail this call, not
         # the engine (the runner hashes ids, the priority queue compares priorities).
@@ -124,5 +162,5 @@ class InputProcessor:
                 child.seed = params.seed + i
             rid = request_id if params.n == 1 else child_request_id(i, request_id)
             requests.append(Request(rid, list(prompt_token_ids), child, eos_token_ids=self.eos_token_ids,
-                                    arrival_time=arrival, priority=priority))
+                                    arrival_time=arrival, priority=priority, cache_salt=cache_salt))
         return requests

@@ -18,6 +18,7 @@ from specloop.kernel.sampling_params import SamplingParams
 
 from .input_processor import PromptType
 from .engine_builder import build_engine, make_config
+from .hf_tokenizer import HFTokenizer
 from .output_processor import EngineStats, RequestTracker
 from .request_output import RequestOutput
 from .tokenizer import Tokenizer
@@ -37,12 +38,22 @@ class LLM:
         self.core: EngineCore = built.core
         self.tokenizer: Tokenizer | None = built.tokenizer
         self.processor = built.processor
+        self.generation_defaults = built.generation_defaults
         self.model_name = built.model_name
         self.stats = EngineStats()
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer | None:
-        return self.tokenizer
+    def get_tokenizer(self) -> HFTokenizer:
+        """The tokenizer with the Hugging Face methods scripts call (``encode``, ``decode``,
+        ``batch_decode``, ``apply_chat_template(tokenize=...)``, ``len()``, ...)."""
+        if self.tokenizer is None:
+            raise ValueError("this engine runs without a tokenizer (skip_tokenizer_init)")
+        return HFTokenizer(self.tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` defaults (what
+        ``generate`` uses when given none)."""
+        return SamplingParams(**self.generation_defaults)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.stats.as_dict()
@@ -84,7 +95,7 @@ class LLM:
     def _run(self, prompts: list[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -95,15 +106,20 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 text, ids = self.processor.parse(prompt)
+                ids = self.processor.truncate(ids, params)
                 self.processor.validate(ids, params)
+                grammar = self.processor.compile_grammar(params)
+                if grammar is not None:
+                    grammar.result()
+                salt = self.processor.cache_salt(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            parsed.append((text, ids, params))
+            parsed.append((text, ids, params, salt))
         states: list[RequestTracker] = []
         owner: dict[str, RequestTracker] = {}
-        for text, ids, params in parsed:
+        for text, ids, params, salt in parsed:
             request_id = str(next(self._ids))
-            requests = self.processor.make_requests(request_id, ids, params)
+            requests = self.processor.make_requests(request_id, ids, params, cache_salt=salt)
             state = RequestTracker(request_id, text, requests, self.tokenizer)
             states.append(state)
             owner.update((r.request_id, state) for r in requests)

@@ -58,6 +58,36 @@ def read_generation_eos_ids(model_dir: str | None) -> list[int]:
     return ids or _int_list(_read_json(os.path.join(model_dir, "config.json")).get("eos_token_id"))
 
 
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: printable character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_defaults(model_dir: str | None) -> dict[str, Any]:
+    """The sampling defaults of a model's ``generation_config.json``, as ``SamplingParams`` fields
+    (vLLM applies the same ones)."""
+    if not model_dir:
+        return {}
+    config = _read_json(os.path.join(model_dir, "generation_config.json"))
+    if config.get("do_sample") is False and "temperature" not in config:
+        config["temperature"] = 0.0
+    return {ours: config[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+            if isinstance(config.get(theirs), (int, float)) and not isinstance(config.get(theirs), bool)}
+
+
 class ChatTemplateError(ValueError):
     """The template raised (``raise_exception``) or does not render."""
 
@@ -217,6 +247,22 @@ class Tokenizer:
         if text is None:
             text = self._token_text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, even when they are part of a UTF-8 character (which its
+        decoded text shows as U+FFFD): byte-level BPE maps bytes to printable characters, and
+        SentencePiece-style vocabularies spell single bytes ``<0xAB>``."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self.all_special_ids or self._tok.decode([token_id], skip_special_tokens=False) == token:
+            return token.encode("utf-8")
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes([int(token[3:5], 16)])
+        decoder = _byte_decoder()
+        if all(ch in decoder for ch in token):
+            return bytes(decoder[ch] for ch in token)
+        return token.replace("\u2581", " ").encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

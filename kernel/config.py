@@ -6,10 +6,6 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp", "medusa")
-# Proposers that run over the target's hidden state at every verified position, keeping a cache of
-# their own over those positions (vLLM's ``use_eagle()``).
-HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
 
 
 @dataclass(slots=True)
@@ -23,6 +19,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     draft_dtype: str | None = None
     policy: str = "fixed"  # how many drafts each request gets per step (a registered speculation policy)
+    # Resolved by the model runner from its proposer: it builds a cache from the target's hidden state
+    # at every position, so a prefix-cache hit must leave its last block to be recomputed (the
+    # proposer's entry for the hit's last position needs the hidden state the target only produces by
+    # computing that position, and the token after it, this request's).
+    reads_target_hidden_states: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -36,16 +37,6 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
                                  f"got {lo!r}, {hi!r}")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        elif self.method in ("draft_model", "eagle", "eagle3", "medusa") and not self.model:
-            raise ValueError(f"speculative_config.method={self.method!r} needs 'model' (a local checkpoint path)")
-
-    @property
-    def reads_target_hidden_states(self) -> bool:
-        """The proposer builds a cache from the target's hidden state at every position, so a
-        prefix-cache hit must leave its last block to be recomputed: the proposer's entry for the
-        hit's last position depends on the token after it (this request's, not the block's owner's)
-        and on a hidden state the target only produces by computing that position."""
-        return self.method in HIDDEN_STATE_METHODS
 
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -61,12 +52,15 @@ class SpeculativeConfig:
             raise ValueError("speculative_config must be a JSON object")
         value = dict(value)
         if "method" not in value:
-            raise ValueError(f"speculative_config needs 'method', one of {', '.join(SPEC_METHODS)}")
+            raise ValueError("speculative_config needs 'method', a registered proposer (e.g. ngram, draft_model)")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        extra = {k: value.pop(k) for k in list(value) if k not in known}
-        return cls(**value, extra=extra)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {', '.join(sorted(known))} "
+                             "(options for a third-party proposer go in 'extra')")
+        return cls(**value)
 
 
 @dataclass(slots=True)
@@ -102,28 +96,26 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Engine replicas behind one endpoint (the frontend's router; each replica tensor_parallel_size ranks).
     data_parallel_size: int = 1
+    structured_outputs_backend: str = "llguidance"
+    tool_call_parser: str = "hermes"  # finds tool calls in text for tool_choice "auto" (serve)
+    generation_config: str = "auto"  # auto: the model's generation_config.json sampling defaults; vllm: none
     disable_plugins: tuple[str, ...] = ()
     # Free-form options for third-party components, read by name.
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
+        optional = ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory")
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size", *optional):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if (v is not None or name not in optional) and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        if isinstance(self.disable_plugins, str):
-            self.disable_plugins = tuple(p for p in self.disable_plugins.split(",") if p)
-        else:
-            self.disable_plugins = tuple(self.disable_plugins)
+        blocked = self.disable_plugins
+        self.disable_plugins = tuple(p for p in blocked.split(",") if p) if isinstance(blocked, str) else tuple(blocked)
 
     @property
     def num_lookahead_tokens(self) -> int:

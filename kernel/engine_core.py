@@ -4,7 +4,8 @@
 
     run_busy_loop
       _process_input_queue    drain adds/aborts into the scheduler (await only when idle)
-      _process_engine_step    schedule -> execute_model -> sample_tokens -> update_from_output
+      _process_engine_step    schedule -> execute_model -> grammar_bitmask -> sample_tokens
+                              -> update_from_output -> commit grammars
       post_step               take_draft_token_ids -> update_draft_token_ids
 
 With asynchronous scheduling a step launches plan n+1 before it commits plan n: the scheduler
@@ -26,7 +27,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from .plugins import PluginManager
-from .protocols import ModelRunner, PendingOutput, Scheduler
+from .protocols import ModelRunner, PendingOutput, Scheduler, StructuredOutputManager
 from .request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger("specloop")
@@ -69,6 +70,8 @@ class EngineCore:
         # Launched plans not yet committed, oldest first (at most two with asynchronous scheduling).
         self.in_flight: collections.deque[tuple[SchedulerOutput, ModelRunnerOutput | PendingOutput]] = \
             collections.deque()
+        self.structured_output: StructuredOutputManager = self.plugins.structured_output_backends.create(
+            config.structured_outputs_backend, config=config, vocab_size=runner.vocab_size)
         self.requests: dict[str, Request] = {}  # live requests, for the lifecycle hooks
         self.hooks.startup(self)
 
@@ -76,7 +79,10 @@ class EngineCore:
 
     def add_requests(self, requests: list[Request]) -> None:
         for request in requests:
-            self.scheduler.add_request(request)
+            if request.sampling_params.structured_outputs is not None:
+                self.structured_output.add_request(request)  # scheduled once its grammar compiles
+            else:
+                self.scheduler.add_request(request)
             self.requests[request.request_id] = request
         if requests:
             self.hooks.request_added(requests)
@@ -85,6 +91,7 @@ class EngineCore:
         """Abort by id; unknown or already finished ids are ignored (invariant 9: a step already
         running for them finishes, and its output for them is dropped by the scheduler)."""
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        finished += self.structured_output.remove(request_ids)  # those still waiting for their grammar
         for request in finished:
             self.requests.pop(request.request_id, None)
         if finished:
@@ -92,7 +99,8 @@ class EngineCore:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+        return (self.scheduler.has_unfinished_requests() or self.structured_output.has_pending()
+                or bool(self.in_flight))
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -100,6 +108,17 @@ class EngineCore:
         """Schedule and launch one plan, and commit the oldest launched one: the same plan when
         synchronous, the previous one (if any) with asynchronous scheduling."""
         t0 = time.perf_counter()
+        # Requests whose grammar compiled join the scheduler; those whose grammar failed finish.
+        ready, failed = self.structured_output.take_ready(wait=not self.scheduler.has_unfinished_requests())
+        for request in ready:
+            self.scheduler.add_request(request)
+        if failed:
+            self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
+        # A grammar's mask for the next plan needs every earlier token committed: while constrained
+        # requests run, steps are synchronous (an asynchronous one still in flight is committed first).
+        sync = not self.config.async_scheduling or self.structured_output.has_active()
+        if sync and self.in_flight:
+            return self._commit_oldest(failed, t0, t0)
         plan = self.scheduler.schedule()
         preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
         if preempted:
@@ -109,13 +128,20 @@ class EngineCore:
         if launch:
             self.hooks.step_scheduled(plan)
             self.runner.execute_model(plan)
-            self.in_flight.append((plan, self.runner.sample_tokens()))
-        if not self.in_flight or (launch and self.config.async_scheduling and len(self.in_flight) < 2):
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+            # Filled while the forward runs (a GPU runner returns once the forward is launched).
+            grammar = self.structured_output.grammar_bitmask(plan)
+            self.in_flight.append((plan, self.runner.sample_tokens(grammar)))
+        if not self.in_flight or (launch and not sync and len(self.in_flight) < 2):
+            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats())
+        return self._commit_oldest(failed, t0, t1)
+
+    def _commit_oldest(self, failed: list[EngineCoreOutput], t0: float, t1: float) -> EngineCoreOutputs:
         done, pending = self.in_flight.popleft()
         result = pending.result() if not isinstance(pending, ModelRunnerOutput) else pending
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(done, result)
+        self.structured_output.commit(outputs)  # grammars advance only by committed tokens
+        outputs.outputs.extend(failed)
         t3 = time.perf_counter()
         self._emit_step_events(done, result, outputs,
                                {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "total": t3 - t0})

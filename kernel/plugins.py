@@ -28,7 +28,8 @@ BUILTIN_DISTRIBUTION = "specloop"
 DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",
-                   "proposers", "speculation_policies", "routes")
+                   "proposers", "speculation_policies", "structured_output_backends", "tool_parsers",
+                   "routes")
 
 
 class UnknownComponentError(ValueError):
@@ -125,10 +126,8 @@ class Hooks:
 
     def drafts_verified(self, step_id: int, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                         accepted_per_position: list[int]) -> None:
-        self._h.specloop_drafts_verified(step_id=step_id, num_drafts=num_drafts,
-                                         num_draft_tokens=num_draft_tokens,
-                                         num_accepted_tokens=num_accepted_tokens,
-                                         accepted_per_position=accepted_per_position)
+        self._h.specloop_drafts_verified(step_id=step_id, num_drafts=num_drafts, num_draft_tokens=num_draft_tokens,
+                                         num_accepted_tokens=num_accepted_tokens, accepted_per_position=accepted_per_position)
 
 
 def _normalized(name: str) -> str:
@@ -203,6 +202,8 @@ class PluginManager:
         self.models: Registry = self._collect("models")
         self.proposers: Registry = self._collect("proposers")
         self.speculation_policies: Registry = self._collect("speculation_policies")
+        self.structured_output_backends: Registry = self._collect("structured_output_backends")
+        self.tool_parsers: Registry = self._collect("tool_parsers")
         self.routes: Registry = self._collect("routes")
         self.registries: dict[str, Registry] = {kind: getattr(self, kind) for kind in COMPONENT_KINDS}
 

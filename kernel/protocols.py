@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .outputs import DraftTokenIds, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput, SchedulerStats
+    from .outputs import (DraftTokenIds, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput,
+                          SchedulerStats)
     from .request import Request, RequestStatus
 
 
@@ -93,10 +94,24 @@ class ModelRunner(Protocol):
     def execute_model(self, plan: SchedulerOutput) -> None:
         """Update resident request state from the plan and run the forward pass."""
 
-    def sample_tokens(self) -> ModelRunnerOutput | PendingOutput:
-        """Sample (or rejection-sample drafts) for the last executed plan, then propose drafts."""
+    def sample_tokens(self, grammar: Any = None) -> ModelRunnerOutput | PendingOutput:
+        """Sample (or rejection-sample drafts) for the last executed plan, then propose drafts;
+        ``grammar`` (the structured-output manager's bitmask, or None) masks its structured rows."""
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed by the last ``sample_tokens``, once."""
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class StructuredOutputManager(Protocol):
+    """Grammars of structured-output requests (``sampling/grammar.py`` says when each is called)."""
+
+    def add_request(self, request: Request) -> None: ...
+    def take_ready(self, wait: bool) -> tuple[list[Request], list[EngineCoreOutput]]: ...
+    def grammar_bitmask(self, plan: SchedulerOutput) -> Any: ...
+    def commit(self, outputs: EngineCoreOutputs) -> None: ...
+    def remove(self, request_ids: Iterable[str]) -> list[Request]: ...
+    def has_pending(self) -> bool: ...
+    def has_active(self) -> bool: ...

@@ -10,6 +10,7 @@ from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_GRAMMAR = -1  # held by the structured-output manager until its grammar compiles
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2

@@ -37,8 +37,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: Any = None  # a specloop.sampling.structured_outputs.StructuredOutputsParams
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    # Set by the frontend from bad_words: each word's token ids (with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.bad_words = _as_list(self.bad_words, "bad_words")
         self.stop = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if self.top_k == -1:
@@ -93,6 +100,12 @@ class SamplingParams:
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings.")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be non-negative integers.")
+        ids = self.allowed_token_ids
+        check(ids is None or (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)),
+              "allowed_token_ids", "must be a non-empty list of token ids.")
+        check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "must be non-empty strings.")
+        k = self.truncate_prompt_tokens
+        check(k is None or (isinstance(k, int) and k >= 1), "truncate_prompt_tokens", f"must be >= 1, got {k!r}.")
         if self.logit_bias:
             check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
                   "values must be in [-100, 100].")
@@ -111,9 +124,10 @@ class SamplingParams:
             bad = [t for t in self.logit_bias if t >= vocab_size]
             if bad:
                 raise ValueError(f"logit_bias has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}

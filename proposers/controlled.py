@@ -4,8 +4,8 @@ continuation, each position right with probability ``alpha`` and otherwise a tok
 known not to choose. Acceptance then follows ``alpha`` exactly, on any model, random weights
 included, and speedup can be charted against acceptance for every method.
 
-``speculative_config={"method": "controlled", "num_speculative_tokens": K, "wraps": "ngram",
-"alpha": 0.8, ...the wrapped method's own keys}`` with ``plugin_options["controlled"] =
+``speculative_config={"method": "controlled", "num_speculative_tokens": K, "extra": {"wraps": "ngram",
+"alpha": 0.8}, ...the wrapped method's own keys}`` with ``plugin_options["controlled"] =
 {"continuations": {tuple(prompt ids): [greedy output ids, ...]}}`` (a greedy run without speculation
 gives them). Greedy requests only: a sampled target has no known continuation.
 """
@@ -45,6 +45,7 @@ class ControlledProposer(Proposer):
             raise ValueError("speculative_config.method='controlled' needs the engine's proposer registry")
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
         self.needs_hidden_states = self.inner.needs_hidden_states
+        self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
 

@@ -65,7 +65,7 @@ class SamplingMetadata:
     prompt_mask: torch.Tensor | None  # [R, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None  # [R, V] float32: occurrences in the output so far
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf: min_tokens, bad_words
     num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
 
     @classmethod
@@ -100,6 +100,12 @@ class SamplingMetadata:
             if len(r.output_token_ids) < r.params.min_tokens:
                 ban_rows.extend([i] * len(r.stop_token_ids))
                 ban_ids.extend(r.stop_token_ids)
+            for word in r.params.bad_words_token_ids:
+                # A bad word's last token is banned where the output already ends with the rest.
+                tail = r.output_token_ids[len(r.output_token_ids) - len(word) + 1:]
+                if len(word) == 1 or list(tail) == word[:-1]:
+                    ban_rows.append(i)
+                    ban_ids.append(word[-1])
 
         def index(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

@@ -24,6 +24,7 @@ from specloop.kernel.plugins import PluginManager
 
 from .errors import APIError, AuthenticationError, ServerError
 from .serving import ClientDisconnected
+from .request_id import RequestIdMiddleware
 from .state import ServerLimits, ServerState
 
 logger = logging.getLogger("specloop.server")
@@ -102,7 +103,8 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
             await engine.shutdown()
             state.close()
 
-    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(RequestIdMiddleware)]
+    middleware += [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientDisconnected: _gone,
                                         Exception: _unexpected})

@@ -134,12 +134,15 @@ SCHEMAS: dict[str, Any] = {
                 }}},
         },
     },
+    "Model": {
+        "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
+        "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                       "root": _NULLABLE_STR, "parent": _NULLABLE_STR, "max_model_len": _INT},
+    },
     "ModelList": {
         "type": "object", "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
-            "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
-                           "root": _NULLABLE_STR, "parent": _NULLABLE_STR, "max_model_len": _INT}}}},
+        "properties": {"object": {"const": "list"},
+                       "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}},
     },
     "TokenizeRequest": {
         "type": "object",
@@ -204,6 +207,12 @@ def openapi(*, api_key: bool, models: list[str] | None = None) -> dict[str, Any]
         "/v1/models": _get("The served model names", {"description": "the models",
                                                       "content": {"application/json": {"schema": _ref("ModelList")}}},
                            401),
+        "/v1/models/{model}": {"get": {
+            "summary": "One served model", "parameters": [{"name": "model", "in": "path", "required": True,
+                                                          "schema": _STR}],
+            "responses": {"200": {"description": "the model",
+                                  "content": {"application/json": {"schema": _ref("Model")}}},
+                          **_errors(401, 404)}}},
         "/tokenize": _post("Token ids of a prompt or a conversation", "TokenizeRequest", "TokenizeResponse"),
         "/detokenize": _post("The text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
         "/health": _get("200 while the engine runs", {"description": "healthy (empty body)"}, 503),
@@ -215,7 +224,8 @@ def openapi(*, api_key: bool, models: list[str] | None = None) -> dict[str, Any]
                                                 "content": {"application/json": {"schema": {"type": "object"}}}}),
     }
     if api_key:
-        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"):
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/tokenize",
+                     "/detokenize"):
             for operation in paths[path].values():
                 operation["security"] = [{"bearer": []}]
     return {

@@ -12,6 +12,7 @@ BUILTIN_ROUTES = {
     "completions": "completions_route",
     "chat_completions": "chat_completions_route",
     "models": "models_route",
+    "model": "model_route",
     "health": "health_route",
     "metrics": "metrics_route",
     "version": "version_route",

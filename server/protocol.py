@@ -6,14 +6,12 @@ Parsing is strict about types (an integer field refuses ``true``, ``"3"`` and ``
 Every problem raises :class:`BadRequest` naming the field in ``param``.
 
 Parsing costs time in proportion to the body, with the GIL held whatever thread parses it, so the
-body's size is bounded before it is parsed (:func:`parse_json_object`); the server parses on a worker
-thread (:mod:`specloop.server.routes`).
+body's size is bounded before it is parsed (:func:`specloop.server.json_body.parse_json_object`);
+the server parses on a worker thread (:mod:`specloop.server.routes`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,59 +19,12 @@ import orjson
 
 from specloop.kernel.sampling_params import SamplingParams
 
-from .errors import BadRequest, PayloadTooLarge, from_value_error
+from . import request_fields
+from .errors import BadRequest, from_value_error
+from .request_fields import ToolRequest
 
 _MISSING = object()
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-# A JSON parser takes ~0.03 us per number and ~1 us per object, holding the GIL: beyond these counts
-# (each an upper bound computed from the bytes, strings included) a body is refused unparsed.
-MAX_JSON_VALUES = 500_000
-# Bodies this small cannot hold enough of anything to be worth counting.
-_COUNT_FROM_BYTES = 256 * 1024
-# Maps every digit to "0" and everything else to " ", to find runs of digits at C speed.
-_DIGITS = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord(" ") for c in range(256))
-_LONG_INTEGER = b"0" * 19  # as many digits as the largest 64-bit integers
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} is out of range")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_object(body: bytes, max_objects: int = 65_536) -> dict[str, Any]:
-    """A request body as a JSON object.
-
-    Integers keep every digit (orjson turns those past 64 bits into floats, so a body with such a
-    literal goes through the standard library's parser instead); NaN and infinities are refused.
-
-    :param max_objects: most ``{`` a large body may hold (an upper bound on its objects).
-    :raises PayloadTooLarge: the body could hold more than ``max_objects`` objects or
-        :data:`MAX_JSON_VALUES` values.
-    """
-    if len(body) > _COUNT_FROM_BYTES:
-        objects = body.count(b"{")
-        values = objects + body.count(b"[") + body.count(b",")
-        if objects > max_objects or values > MAX_JSON_VALUES:
-            raise PayloadTooLarge(f"The request body holds up to {objects} JSON objects and {values} values; this "
-                                  f"server parses at most {max_objects} objects and {MAX_JSON_VALUES} values.")
-    try:
-        if _LONG_INTEGER in body.translate(_DIGITS):
-            data = json.loads(body, parse_float=_finite, parse_constant=_no_constant)
-        else:
-            data = orjson.loads(body)
-    except (orjson.JSONDecodeError, ValueError, RecursionError) as e:
-        raise BadRequest(f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise BadRequest(f"The request body must be a JSON object, got {type(data).__name__}.")
-    return data
-
 
 class Fields:
     """Typed reads of one JSON object; ``None`` (JSON null) reads as the default."""
@@ -196,7 +147,38 @@ def _sampling_kwargs(f: Fields) -> dict[str, Any]:
         "include_stop_str_in_output": f.bool("include_stop_str_in_output"),
         "skip_special_tokens": f.bool("skip_special_tokens", True),
         "spaces_between_special_tokens": f.bool("spaces_between_special_tokens", True),
+        "bad_words": f.str_list("bad_words"),
+        "allowed_token_ids": f.int_list("allowed_token_ids") or None,
+        "truncate_prompt_tokens": f.int("truncate_prompt_tokens"),
     }
+
+
+@dataclass(slots=True)
+class CommonFields:
+    """What both endpoints read beyond the sampling parameters. Set by :func:`_common`."""
+
+    constraint_param: str | None  # the field that set sampling["structured_outputs"], if any
+    prompt_logprobs: int | None
+    return_tokens_as_token_ids: bool
+    cache_salt: str | None
+    add_special_tokens: bool | None
+    request_id: str | None
+
+
+def _common(f: Fields, sampling: dict[str, Any]) -> CommonFields:
+    request_fields.check_refused(f.body)
+    sampling["structured_outputs"], param = request_fields.structured_outputs(f.body)
+    if f.body.get("detokenize") is False:
+        raise BadRequest("'detokenize' false is not supported by the HTTP API.", param="detokenize")
+    prompt_logprobs = f.int("prompt_logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+        raise BadRequest(f"'prompt_logprobs' must be in [0, 20], got {prompt_logprobs}.", param="prompt_logprobs")
+    cache_salt = f.str("cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise BadRequest("'cache_salt' must not be empty.", param="cache_salt")
+    add_special = f.body.get("add_special_tokens")
+    return CommonFields(param, prompt_logprobs, f.bool("return_tokens_as_token_ids"), cache_salt,
+                        f.bool("add_special_tokens") if add_special is not None else None, f.str("request_id"))
 
 
 def _stream_flags(f: Fields) -> tuple[bool, bool]:
@@ -236,6 +218,7 @@ class CompletionRequest:
     logprobs: int | None
     user: str | None
     priority: int = 0  # lower is served first, with the priority scheduler
+    common: CommonFields | None = None
 
 
 @dataclass(slots=True)
@@ -253,6 +236,11 @@ class ChatRequest:
     user: str | None
     priority: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    common: CommonFields | None = None
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    echo: bool = False
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
 
 
 def _prompts(value: Any) -> list[Prompt]:
@@ -286,16 +274,18 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     max_tokens = f.int("max_tokens")
     logprobs = f.int("logprobs")
     echo = f.bool("echo")
-    _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    common = _common(f, sampling)
+    # max_tokens 0 with echo scores the prompt only (OpenAI's legacy API and vLLM accept it).
+    _check_sampling({**sampling, "logprobs": logprobs}, 1 if echo and max_tokens == 0 else max_tokens)
     return CompletionRequest(model=f.str("model"), prompts=_prompts(body.get("prompt")), sampling=sampling,
                              max_tokens=max_tokens, stream=stream, include_usage=include_usage, echo=echo,
-                             logprobs=logprobs, user=f.str("user"), priority=f.int("priority", 0))
+                             logprobs=logprobs, user=f.str("user"), priority=f.int("priority", 0), common=common)
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise BadRequest(f"'{where}' must be an object, got {_show(m)}.", param="messages")
@@ -317,7 +307,32 @@ def _message(i: int, m: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise BadRequest(f"'{where}.content' must be a string or a list of text parts, got {_show(content)}.",
                          param="messages")
-    return {"role": role, "content": content}
+    message: dict[str, Any] = {"role": role, "content": content}
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"'{where}.tool_call_id' (a string) is required for a tool message.", param="messages")
+        message["tool_call_id"] = m["tool_call_id"]
+    if role == "assistant" and m.get("tool_calls"):
+        message["tool_calls"] = [_tool_call(where, c) for c in m["tool_calls"]]
+    if isinstance(m.get("name"), str):
+        message["name"] = m["name"]
+    return message
+
+
+def _tool_call(where: str, call: Any) -> dict[str, Any]:
+    """An assistant message's tool call, its arguments parsed (chat templates expect an object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), (str, dict))):
+        raise BadRequest(f"'{where}.tool_calls' entries must be {{\"id\", \"type\": \"function\", \"function\": "
+                         f"{{\"name\", \"arguments\"}}}}, got {_show(call)}.", param="messages")
+    arguments = fn["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError:
+            raise BadRequest(f"'{where}.tool_calls' arguments are not valid JSON: {_show(arguments)}.",
+                             param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 # Arguments of ``apply_chat_template`` itself: a client must not swap the server's template (it runs
@@ -359,9 +374,20 @@ def parse_chat_request(body: dict[str, Any], max_messages: int | None = None) ->
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise BadRequest(f"'top_logprobs' must be in [0, 20], got {top_logprobs}.", param="top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
+    common = _common(f, sampling)
+    tools = request_fields.parse_tools(body)
     _check_sampling({**sampling, "logprobs": logprobs}, max_tokens)
+    continue_final = f.bool("continue_final_message")
+    add_generation_prompt = f.bool("add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise BadRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+                         param="continue_final_message")
+    documents = body.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+        raise BadRequest("'documents' must be a list of objects.", param="documents")
     return ChatRequest(model=f.str("model"), messages=messages,
                        sampling=sampling, max_tokens=max_tokens, stream=stream, include_usage=include_usage,
-                       logprobs=logprobs, add_generation_prompt=f.bool("add_generation_prompt", True),
+                       logprobs=logprobs, add_generation_prompt=add_generation_prompt,
                        user=f.str("user"), priority=f.int("priority", 0),
-                       chat_template_kwargs=_chat_template_kwargs(f))
+                       chat_template_kwargs=_chat_template_kwargs(f), common=common, tools=tools,
+                       echo=f.bool("echo"), continue_final_message=continue_final, documents=documents)

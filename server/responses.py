@@ -27,6 +27,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 # A token's text for logprob entries: (token id, its Logprob if any) -> text.
 TokenText = Callable[[int, Logprob | None], str]
+# A token's own bytes (a token may hold part of a multi-byte character).
+TokenBytes = Callable[[int], bytes]
 
 
 def _ranked(entries: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
@@ -38,13 +40,22 @@ class CompletionLogprobs:
     """The legacy completions ``logprobs`` object, built incrementally so stream chunks carry only
     their own tokens while ``text_offset`` keeps counting from the start of the choice's text."""
 
-    def __init__(self, token_text: TokenText, offset: int = 0) -> None:
+    def __init__(self, token_text: TokenText, offset: int = 0,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.token_text = token_text
         self.offset = offset
+        # With ``decode``, offsets are character positions in the decoded text so far (a token
+        # holding part of a character starts where that character does); without it, sums of
+        # token-string lengths.
+        self.decode = decode
+        self.ids: list[int] = []
 
     def build(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None]) -> dict[str, Any]:
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entries in zip(token_ids, logprobs):
+            if self.decode is not None:
+                self.offset = len(self.decode(self.ids).rstrip("\ufffd"))
+                self.ids.append(tid)
             entry = entries.get(tid) if entries else None
             text = self.token_text(tid, entry)
             out["tokens"].append(text)
@@ -61,12 +72,13 @@ class CompletionLogprobs:
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], top: int,
-                  token_text: TokenText) -> dict[str, Any]:
-    """Chat's ``logprobs.content``: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+                  token_text: TokenText, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """Chat's ``logprobs.content``: per token its text, logprob, bytes (the token's own, so a
+    client can rebuild text split inside a character) and the top alternatives."""
     def item(token_id: int, entry: Logprob | None) -> dict[str, Any]:
         text = token_text(token_id, entry)
-        return {"token": text, "logprob": entry.logprob if entry is not None else None,
-                "bytes": list(text.encode("utf-8"))}
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8")
+        return {"token": text, "logprob": entry.logprob if entry is not None else None, "bytes": list(raw)}
 
     content = []
     for tid, entries in zip(token_ids, logprobs):
@@ -74,6 +86,15 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None
         ranked = [(t, lp) for t, lp in _ranked(entries) if lp.rank is None or lp.rank <= top][:top]
         content.append({**item(tid, entries.get(tid)), "top_logprobs": [item(t, lp) for t, lp in ranked]})
     return {"content": content}
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None], token_text: TokenText
+                    ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or token id -> its logprob,
+    rank and decoded text."""
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": token_text(t, lp)} for t, lp in e.items()}
+            for e in entries]
 
 
 def completion_response(request_id: str, created: int, model: str, choices: list[dict[str, Any]],

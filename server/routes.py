@@ -15,12 +15,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import openapi, protocol, responses
-from .errors import BadRequest, PayloadTooLarge
+from . import chat, json_body, openapi, protocol, responses
+from .chat_serving import ChatContext, collect_chat, stream_chat
+from .errors import BadRequest, NotFound, PayloadTooLarge
 from .metrics import CONTENT_TYPE
-from .serving import (ChatContext, ClientDisconnected, CompletionContext, EventStream, Generation, PromptInput,
-                      collect_chat, collect_completion, engine_unavailable, stream_chat, stream_completion,
-                      unless_disconnected)
+from .request_options import check_grammar, generation_defaults, token_id_text
+from .serving import (ClientDisconnected, CompletionContext, EventStream, Generation, PromptInput,
+                      collect_completion, engine_unavailable, stream_completion, unless_disconnected)
 from .state import ServerState
 
 Handler = Callable[[ServerState, Request], Awaitable[Response]]
@@ -50,7 +51,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _json_body(state: ServerState, body: bytes) -> dict[str, Any]:
-    return protocol.parse_json_object(body, state.limits.max_json_objects)
+    return json_body.parse_json_object(body, state.limits.max_json_objects)
 
 
 def _ready(state: ServerState) -> None:
@@ -71,8 +72,11 @@ async def _collected(request: Request, gen: Generation, work: Awaitable[dict[str
 # Each request is parsed, checked and tokenized by a ``_prepare_*`` function on a worker thread
 # (``state.off_loop``): that work grows with the request, and the event loop serves everyone.
 
-def _prepare_completion(state: ServerState, body: bytes) -> tuple[protocol.CompletionRequest, str, list[PromptInput]]:
-    req = protocol.parse_completion_request(_json_body(state, body))
+def _prepare_completion(state: ServerState, body: bytes
+                        ) -> tuple[protocol.CompletionRequest, str, list[PromptInput], bool]:
+    raw = _json_body(state, body)
+    req = protocol.parse_completion_request(raw)
+    generation_defaults(state, raw, req)
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
     state.check_stop(req.sampling["stop"])
@@ -80,23 +84,36 @@ def _prepare_completion(state: ServerState, body: bytes) -> tuple[protocol.Compl
         raise BadRequest(f"'prompt' may hold at most {state.limits.max_prompts} prompts on this server, "
                          f"got {len(req.prompts)}.", param="prompt")
     _ready(state)
+    common = req.common
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    if common.prompt_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, common.prompt_logprobs)
+    prompt_only = req.echo and req.max_tokens == 0
     inputs = []
     for prompt in req.prompts:
-        ids, text = state.encode_prompt(prompt, echo=req.echo)
-        params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="prompt",
-                                       logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        if isinstance(prompt, str) and common.add_special_tokens is False:
+            ids, text = state.require_tokenizer("A text prompt").encode(prompt, add_special_tokens=False), prompt
+        else:
+            ids, text = state.encode_prompt(prompt, echo=req.echo)
+        if req.sampling["truncate_prompt_tokens"] is not None:
+            ids = ids[-req.sampling["truncate_prompt_tokens"]:]
+        params = state.sampling_params(req.sampling, 1 if prompt_only else req.max_tokens, ids,
+                                       prompt_param="prompt", logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
         inputs.append(PromptInput(ids, text, params))
-    return req, model, inputs
+    return req, model, inputs, prompt_only
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     arrival = time.perf_counter()
     body = await read_body(request, state.limits.max_body_bytes)
-    req, model, inputs = await state.off_loop(_prepare_completion, state, body)
-    request_id = responses.new_id("cmpl")
-    ctx = CompletionContext(request_id, responses.now(), model, req.echo, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, inputs, arrival=arrival, priority=req.priority)
+    req, model, inputs, prompt_only = await state.off_loop(_prepare_completion, state, body)
+    common = req.common
+    await check_grammar(state, inputs[0].params, common.constraint_param)
+    request_id = common.request_id or responses.new_id("cmpl")
+    ctx = CompletionContext(request_id, responses.now(), model, req.echo, req.logprobs, req.include_usage,
+                            prompt_only=prompt_only, token_text=token_id_text if common.return_tokens_as_token_ids
+                            else None, prompt_logprobs=common.prompt_logprobs is not None)
+    gen = Generation(state, request_id, inputs, arrival=arrival, priority=req.priority, cache_salt=common.cache_salt)
     if req.stream:
         return EventStream(stream_completion(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_completion(state, gen, ctx))
@@ -121,14 +138,23 @@ def _render_chat(state: ServerState, messages: list[dict[str, str]], add_generat
 
 
 def _prepare_chat(state: ServerState, body: bytes) -> tuple[protocol.ChatRequest, str, PromptInput]:
-    req = protocol.parse_chat_request(_json_body(state, body), state.limits.max_messages)
+    raw = _json_body(state, body)
+    req = protocol.parse_chat_request(raw, state.limits.max_messages)
+    generation_defaults(state, raw, req)
     model = state.resolve_model(req.model)
     state.check_n(req.sampling["n"])
     state.check_stop(req.sampling["stop"])
     _ready(state)
-    ids = _render_chat(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    common = req.common
+    # The template adds to the messages' text, never removes from it: too much text is refused unrendered.
+    state.check_text_fits(sum(len(m.get("content") or "") for m in req.messages
+                              if isinstance(m.get("content") or "", str)), "messages")
+    chat.constrain_tool_calls(req)
+    ids, _ = chat.render(state, req)
+    if req.sampling["truncate_prompt_tokens"] is not None:
+        ids = ids[-req.sampling["truncate_prompt_tokens"]:]
     params = state.sampling_params(req.sampling, req.max_tokens, ids, prompt_param="messages",
-                                   logprobs=req.logprobs)
+                                   logprobs=req.logprobs, prompt_logprobs=common.prompt_logprobs)
     return req, model, PromptInput(ids, None, params)
 
 
@@ -136,9 +162,15 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     arrival = time.perf_counter()
     body = await read_body(request, state.limits.max_body_bytes)
     req, model, prompt = await state.off_loop(_prepare_chat, state, body)
-    request_id = responses.new_id("chatcmpl")
-    ctx = ChatContext(request_id, responses.now(), model, req.logprobs, req.include_usage)
-    gen = Generation(state, request_id, [prompt], arrival=arrival, priority=req.priority)
+    common = req.common
+    await check_grammar(state, prompt.params, common.constraint_param)
+    request_id = common.request_id or responses.new_id("chatcmpl")
+    parser = state.tool_parser() if req.tools.choice == "auto" else None
+    extras = chat.ChatExtras(chat.ToolOutput(req.tools.choice, req.tools.named, parser), chat.echo_prefix(req),
+                             common.prompt_logprobs is not None)
+    ctx = ChatContext(request_id, responses.now(), model, req.logprobs, req.include_usage, extras,
+                      token_id_text if common.return_tokens_as_token_ids else None)
+    gen = Generation(state, request_id, [prompt], arrival=arrival, priority=req.priority, cache_salt=common.cache_salt)
     if req.stream:
         return EventStream(stream_chat(state, gen, ctx), gen.cancel)
     return await _collected(request, gen, collect_chat(state, gen, ctx))
@@ -149,6 +181,15 @@ async def list_models(state: ServerState, request: Request) -> Response:
     data = [{"id": name, "object": "model", "created": state.created, "owned_by": "specloop", "root": root,
              "parent": None, "max_model_len": state.max_model_len} for name in state.served_model_names]
     return json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(state: ServerState, request: Request) -> Response:
+    name = request.path_params["model"]
+    if name not in state.served_model_names:
+        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return json_response({"id": name, "object": "model", "created": state.created, "owned_by": "specloop",
+                          "root": getattr(state.engine.config, "model", None), "parent": None,
+                          "max_model_len": state.max_model_len})
 
 
 async def health(state: ServerState, request: Request) -> Response:
@@ -229,6 +270,7 @@ def _route(path: str, handler: Handler, methods: list[str]) -> Callable[[ServerS
 completions_route = _route("/v1/completions", create_completion, ["POST"])
 chat_completions_route = _route("/v1/chat/completions", create_chat_completion, ["POST"])
 models_route = _route("/v1/models", list_models, ["GET"])
+model_route = _route("/v1/models/{model:path}", retrieve_model, ["GET"])
 health_route = _route("/health", health, ["GET"])
 metrics_route = _route("/metrics", metrics, ["GET"])
 version_route = _route("/version", version, ["GET"])

@@ -65,10 +65,11 @@ class Generation:
     """
 
     def __init__(self, state: ServerState, request_id: str, inputs: list[PromptInput], *, arrival: float,
-                 priority: int = 0) -> None:
+                 priority: int = 0, cache_salt: str | None = None) -> None:
         """:param arrival: ``time.perf_counter()`` when the HTTP request was accepted (latencies start there)."""
         self.state = state
         self.priority = priority
+        self.cache_salt = cache_salt
         self.request_id = request_id
         self.inputs = inputs
         self.choices = [[_Choice(arrival) for _ in range(p.params.n)] for p in inputs]
@@ -80,7 +81,8 @@ class Generation:
     async def _run(self, i: int, p: PromptInput) -> None:
         try:
             async for out in self.state.engine.generate(p.token_ids, p.params, f"{self.request_id}-{i}",
-                                                        priority=self.priority, delta=True):
+                                                        priority=self.priority, delta=True,
+                                                        cache_salt=self.cache_salt):
                 self._queue.put_nowait((i, out, None))
         except asyncio.CancelledError:
             self._queue.put_nowait((i, None, asyncio.CancelledError()))
@@ -135,9 +137,9 @@ class Generation:
                 self.state.metrics.observe_finished(c.finish_reason, choice.start, choice.first_token_time, now,
                                                     len(choice.token_ids))
 
-    def usage(self) -> dict[str, int]:
+    def usage(self, prompt_only: bool = False) -> dict[str, int]:
         prompt_tokens = sum(len(p.token_ids) for p in self.inputs)
-        completion_tokens = sum(len(c.token_ids) for choices in self.choices for c in choices)
+        completion_tokens = 0 if prompt_only else sum(len(c.token_ids) for choices in self.choices for c in choices)
         return responses.usage(prompt_tokens, completion_tokens)
 
     async def cancel(self) -> None:
@@ -168,6 +170,12 @@ class CompletionContext:
     echo: bool
     logprobs: int | None
     include_usage: bool
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, no completion
+    token_text: responses.TokenText | None = None  # return_tokens_as_token_ids: "token_id:<id>"
+    prompt_logprobs: bool = False  # report vLLM's prompt_logprobs per choice
+
+    def logprobs_builder(self, state: ServerState) -> responses.CompletionLogprobs:
+        return responses.CompletionLogprobs(self.token_text or state.token_text, decode=state.decode_for_offsets)
 
 
 def _echo_logprobs(state: ServerState, gen: Generation, i: int, builder: responses.CompletionLogprobs) -> dict:
@@ -192,21 +200,26 @@ async def collect_completion(state: ServerState, gen: Generation, ctx: Completio
     choices = []
     for i, prompt in enumerate(gen.inputs):
         for k, c in enumerate(gen.choices[i]):
-            text = "".join(c.text)
+            token_ids = [] if ctx.prompt_only else c.token_ids
+            text = "" if ctx.prompt_only else "".join(c.text)
             logprobs = None
             if ctx.logprobs is not None:
-                builder = responses.CompletionLogprobs(state.token_text)
+                builder = ctx.logprobs_builder(state)
                 if ctx.echo:
                     logprobs = _echo_logprobs(state, gen, i, builder)
-                    part = builder.build(c.token_ids, c.logprobs or [None] * len(c.token_ids))
+                    part = builder.build(token_ids, c.logprobs or [None] * len(token_ids))
                     logprobs = {key: logprobs[key] + part[key] for key in logprobs}
                 else:
-                    logprobs = builder.build(c.token_ids, c.logprobs or [None] * len(c.token_ids))
+                    logprobs = builder.build(token_ids, c.logprobs or [None] * len(token_ids))
             if ctx.echo:
                 text = (prompt.text or "") + text
-            choices.append({"index": i * prompt.params.n + k, "text": text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return responses.completion_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
+            choice = {"index": i * prompt.params.n + k, "text": text, "logprobs": logprobs,
+                      "finish_reason": "length" if ctx.prompt_only else c.finish_reason, "stop_reason": c.stop_reason}
+            if ctx.prompt_logprobs:
+                choice["prompt_logprobs"] = responses.prompt_logprobs(gen.prompt_logprobs[i], state.token_text)
+            choices.append(choice)
+    return responses.completion_response(ctx.request_id, ctx.created, ctx.model, choices,
+                                         gen.usage(ctx.prompt_only))
 
 
 async def stream_completion(state: ServerState, gen: Generation, ctx: CompletionContext) -> AsyncIterator[bytes]:
@@ -223,76 +236,27 @@ async def stream_completion(state: ServerState, gen: Generation, ctx: Completion
                 # By the first token every prompt logprob has arrived.
                 echoed.add(i)
                 for k in range(n):
-                    builder = builders[(i, k)] = responses.CompletionLogprobs(state.token_text)
+                    builder = builders[(i, k)] = ctx.logprobs_builder(state)
                     logprobs = _echo_logprobs(state, gen, i, builder) if ctx.logprobs is not None else None
                     yield chunk([{"index": i * n + k, "text": gen.inputs[i].text or "", "logprobs": logprobs,
                                   "finish_reason": None, "stop_reason": None}])
             for c in out.outputs:
+                if ctx.prompt_only:
+                    if c.finish_reason:
+                        yield chunk([{"index": i * n + c.index, "text": "", "logprobs": None,
+                                      "finish_reason": "length", "stop_reason": None}])
+                    continue
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 logprobs = None
                 if ctx.logprobs is not None:
-                    builder = builders.setdefault((i, c.index), responses.CompletionLogprobs(state.token_text))
+                    builder = builders.setdefault((i, c.index), ctx.logprobs_builder(state))
                     logprobs = builder.build(c.token_ids, c.logprobs or [None] * len(c.token_ids))
                 yield chunk([{"index": i * n + c.index, "text": c.text, "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
         if ctx.include_usage:
-            yield responses.sse(responses.completion_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
-                                                         with_usage_field=True))
-    except (EngineFailure, APIError) as e:
-        yield responses.sse(_failure(e).to_dict())
-    yield responses.SSE_DONE
-
-
-# --- chat completions ------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class ChatContext:
-    """What the chat consumers need besides the outputs. Set by the route."""
-
-    request_id: str
-    created: int
-    model: str
-    logprobs: int | None  # top_logprobs when logprobs were asked for
-    include_usage: bool
-
-
-async def collect_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> dict[str, Any]:
-    await _drain(gen)
-    choices = []
-    for k, c in enumerate(gen.choices[0]):
-        logprobs = None
-        if ctx.logprobs is not None:
-            logprobs = responses.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids), ctx.logprobs,
-                                              state.token_text)
-        choices.append({"index": k, "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return responses.chat_response(ctx.request_id, ctx.created, ctx.model, choices, gen.usage())
-
-
-async def stream_chat(state: ServerState, gen: Generation, ctx: ChatContext) -> AsyncIterator[bytes]:
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return responses.sse(responses.chat_chunk(ctx.request_id, ctx.created, ctx.model, choices,
-                                                with_usage_field=ctx.include_usage))
-
-    for k in range(gen.inputs[0].params.n):
-        yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
-    try:
-        async for _, out in gen:
-            for c in out.outputs:
-                if not (c.text or c.token_ids or c.finish_reason):
-                    continue
-                logprobs = None
-                if ctx.logprobs is not None and c.token_ids:
-                    logprobs = responses.chat_logprobs(c.token_ids, c.logprobs or [None] * len(c.token_ids),
-                                                      ctx.logprobs, state.token_text)
-                delta = {"content": c.text} if c.text else {}
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
-        if ctx.include_usage:
-            yield responses.sse(responses.chat_chunk(ctx.request_id, ctx.created, ctx.model, [], gen.usage(),
-                                                   with_usage_field=True))
+            yield responses.sse(responses.completion_chunk(ctx.request_id, ctx.created, ctx.model, [],
+                                                         gen.usage(ctx.prompt_only), with_usage_field=True))
     except (EngineFailure, APIError) as e:
         yield responses.sse(_failure(e).to_dict())
     yield responses.SSE_DONE

@@ -77,6 +77,7 @@ class ServerState:
         # Parsing, chat templates and tokenization: work in proportion to a request's size, kept off
         # the event loop (the tokenizer releases the GIL; parsing and templates yield it every 5 ms).
         self.workers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="specloop-prepare")
+        self._tool_parser: Any = None
 
     @property
     def model_name(self) -> str:
@@ -175,6 +176,20 @@ class ServerState:
         except ValueError as e:
             raise from_value_error(e) from None
         return params
+
+    def tool_parser(self) -> Any:
+        """The parser ``tool_choice: "auto"`` reads tool calls with (``--tool-call-parser``)."""
+        if self._tool_parser is None:
+            self._tool_parser = self.engine.core.plugins.tool_parsers.create(self.engine.config.tool_call_parser)
+        return self._tool_parser
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}".encode()
+        return self.tokenizer.token_bytes(token_id)
+
+    def decode_for_offsets(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def token_text(self, token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

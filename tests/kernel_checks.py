@@ -210,6 +210,27 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
         assert rel_err(out, want) < TOL[dtype] / 10, "silu_and_mul differs"
 
 
+def check_token_bitmask(device: str, dtype: torch.dtype) -> None:
+    """The grammar-mask kernel against the torch reference: masked rows only, words past the
+    mask's end forbidden, several blocks per row."""
+    from specloop.kernels.token_bitmask import apply_token_bitmask
+    from specloop.sampling.structured_outputs import apply_token_bitmask_torch
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab, words, rows in ((100, 4, [0, 2, 3]), (70, 2, [1]), (64, 2, [])):
+        logits = torch.randn(4, vocab, generator=gen).to(device=device, dtype=dtype)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), words), generator=gen, dtype=torch.int64)
+        bitmask = bitmask.to(torch.int32).to(device)
+        indices = torch.tensor(rows, dtype=torch.int64, device=device)
+        want = logits.clone()
+        apply_token_bitmask_torch(want, bitmask, indices)
+        got = logits.clone()
+        apply_token_bitmask(got, bitmask, indices, block=32)
+        assert torch.equal(got, want), f"token bitmask differs (vocab {vocab}, {words} words, rows {rows})"
+        untouched = [r for r in range(4) if r not in rows]
+        assert torch.equal(got[untouched], logits[untouched])
+
+
 def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, max_tv: float = 0.03) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=gen) * 2
@@ -381,6 +402,7 @@ ALL_CHECKS = {
     "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
     **mla_moe_checks.CHECKS,
+    "token_bitmask": check_token_bitmask,
 }
 
 

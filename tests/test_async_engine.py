@@ -245,10 +245,10 @@ async def test_speculative_counters_reach_outputs_and_metrics(tok_dir):
 
 
 class FailingRunner(ScriptedModelRunner):
-    def sample_tokens(self):
+    def sample_tokens(self, grammar=None):
         if self.num_executed > 3:
             raise RuntimeError("device on fire")
-        return super().sample_tokens()
+        return super().sample_tokens(grammar)
 
 
 class FailingRunnerPlugin:

@@ -203,7 +203,7 @@ async def test_post_step_hands_drafts_back_and_outputs_do_not_change():
 
 async def test_engine_error_fails_every_request_and_refuses_new_ones():
     class Broken(ScriptedModelRunner):
-        def sample_tokens(self):
+        def sample_tokens(self, grammar=None):
             raise RuntimeError("device fell over")
 
     engine = AsyncEngineCore(EngineCore(config(), runner=Broken(config())))

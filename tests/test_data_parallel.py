@@ -69,7 +69,7 @@ def _engine_args() -> dict[str, Any]:
 
 def _complete(url: str, prompt: list[int], max_tokens: int = 6) -> dict[str, Any]:
     r = httpx.post(url + C, json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                  "ignore_eos": True, "return_token_ids": True}, timeout=60)
+                                  "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 

@@ -112,6 +112,14 @@ class Recorder:
         self.calls["specloop_register_speculation_policies"].append({"register": register})
 
     @hookimpl
+    def specloop_register_structured_output_backends(self, register):
+        self.calls["specloop_register_structured_output_backends"].append({"register": register})
+
+    @hookimpl
+    def specloop_register_tool_parsers(self, register):
+        self.calls["specloop_register_tool_parsers"].append({"register": register})
+
+    @hookimpl
     def specloop_register_routes(self, register):
         self.calls["specloop_register_routes"].append({"register": register})
 

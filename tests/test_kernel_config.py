@@ -32,8 +32,6 @@ def test_speculative_config_parsing():
         SpeculativeConfig.from_any("{nope")
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig.from_any({"num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="model"):
-        SpeculativeConfig.from_any({"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.from_any({"method": "ngram", "num_speculative_tokens": 0})
     assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).num_lookahead_tokens == 2

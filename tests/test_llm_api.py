@@ -36,7 +36,7 @@ def test_generate_mixed_prompts_in_input_order(llm):
             tok.encode(prompt if isinstance(prompt, str) else prompt["prompt"])
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == expected_tokens(ids, 5 + i)
-        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
         assert out.finished and out.outputs[0].finish_reason == "length"
         m = out.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -56,14 +56,14 @@ def test_eos_and_stop_token_ids(llm):
     cut = tokens.index(stop_id) + 1
     assert out.token_ids == tokens[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_id
     # The stop token's own text is not part of the output text.
-    assert out.text == llm.get_tokenizer().decode(tokens[:cut - 1])
+    assert out.text == llm.get_tokenizer().decode(tokens[:cut - 1], skip_special_tokens=True)
 
 
 def test_chat(llm):
     tok = llm.get_tokenizer()
     conv = [{"role": "user", "content": "Hi there"}]
     outs = llm.chat(conv, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    text = tok.apply_chat_template(conv)
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
     assert ids.count(tok.bos_token_id) == 1  # the template's BOS, not a second one
     assert outs[0].prompt == text and outs[0].prompt_token_ids == ids

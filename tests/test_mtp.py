@@ -20,6 +20,7 @@ from torch import nn
 
 from specloop import LLM, SamplingParams
 from specloop.kernel.config import EngineConfig
+from specloop.kernel.plugins import PluginManager
 from specloop.kernel.request import Request
 from specloop.models.attention import AttentionMetadata, TorchAttentionBackend
 from specloop.models.context import ForwardContext
@@ -217,6 +218,9 @@ def test_prefix_hits_leave_the_last_block_to_recompute() -> None:
     def hit(method: str | None) -> int:
         spec = {"method": method, "num_speculative_tokens": 1} if method else None
         config = EngineConfig(model=MTP, block_size=4, speculative_config=spec)
+        if method:  # resolved by the runner from its proposer, before the cache is built
+            proposer = PluginManager(load_entrypoints=False).proposers.get(method)
+            config.speculative_config.reads_target_hidden_states = proposer.runs_on_prefill_chunks
         cache = PagedKVCache(config, 16)
         first = Request("a", list(range(20)), SamplingParams())
         cache.allocate_slots(first, 20)

@@ -4,6 +4,8 @@ and body shape. Deterministic (derandomized Hypothesis) and bounded (a few hundr
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Iterator
 
 import httpx
@@ -35,7 +37,8 @@ def server() -> Iterator[ServerThread]:
 def test_the_description_is_served(server: ServerThread) -> None:
     served = httpx.get(server.url + "/openapi.json").json()
     assert served == openapi(api_key=True, models=["tiny"])
-    assert set(served["paths"]) == {route.path for route in server.app.routes}
+    # Starlette's path converters ("{model:path}") are the same parameters in OpenAPI's notation.
+    assert set(served["paths"]) == {re.sub(r"{(\w+):\w+}", r"{\1}", route.path) for route in server.app.routes}
 
 
 @schema.parametrize()

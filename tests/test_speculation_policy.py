@@ -109,7 +109,7 @@ def test_controlled_proposer_accepts_at_alpha(alpha):
     plain.core.shutdown()
     truth = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
     spec = LLM(**engine, plugin_options={"controlled": {"continuations": truth}},
-               speculative_config={"method": "controlled", "wraps": "ngram", "alpha": alpha,
+               speculative_config={"method": "controlled", "extra": {"wraps": "ngram", "alpha": alpha},
                                    "num_speculative_tokens": 3})
     got = spec.generate(prompts, params, use_tqdm=False)
     m = spec.get_metrics()

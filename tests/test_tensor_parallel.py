@@ -145,7 +145,7 @@ def test_the_other_ranks_adopt_rank_zeros_tokens() -> None:
         precomputed_logits = torch.zeros(4, 8)  # skips the head, as after a CUDA graph
 
     class Stage:
-        def sample(self, *args: Any) -> SampleResult:
+        def sample(self, *args: Any, **kwargs: Any) -> SampleResult:
             return SampleResult([[], [5, 6], [7]], None, {})
 
         def forget(self, finished: Any) -> None:

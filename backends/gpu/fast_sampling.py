@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from specloop.kernels.sampling import gumbel_sample
+from specloop.sampling.structured_outputs import GrammarBitmask
 
 from ..batch import InputBatch
 from ..requests import CachedRequestState
@@ -41,9 +42,10 @@ class FastSamplingStage:
         return not any(batch.spec_token_ids) and all(plain[rid] for rid in batch.req_ids)
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False) -> SampleResult:
-        if not self.can_defer(batch):
-            return self.reference.sample(batch, hidden_states, requests, draft_probs)
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
+               grammar: GrammarBitmask | None = None) -> SampleResult:
+        if grammar is not None or not self.can_defer(batch):
+            return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         result = self._sample_plain(batch, hidden_states, requests)
         if not defer:
             result.sampled, result.wait = result.wait(), None

@@ -33,7 +33,8 @@ def plain_sampling(params: SamplingParams) -> bool:
     this request; anything else goes through the full path."""
     return (params.top_k == 0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
             and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0 and not params.logit_bias
-            and params.min_tokens == 0 and params.logprobs is None and params.prompt_logprobs is None)
+            and params.min_tokens == 0 and params.logprobs is None and params.prompt_logprobs is None
+            and params.allowed_token_ids is None and not params.bad_words_token_ids)
 
 
 class PersistentBatch:

@@ -1,0 +1,179 @@
+"""Structured outputs: what the grammar bitmask costs a decode step, how long schemas take to
+compile, and whether the outputs are valid.
+
+* step overhead: median decode-step time with ``--batch`` JSON-schema requests (the schemas of
+  ``structured_schemas.py``, in turn) against the same batch unconstrained, counting only steps
+  where every request is still decoding; also the host time of ``grammar_bitmask`` per step (it
+  overlaps the forward on a GPU) and of applying the masks;
+* compile time of every schema (cold, through the engine's structured-output manager);
+* validity: each request runs to its end at temperature 1; of those that finish with ``stop``, the
+  fraction whose text parses and validates against its schema (goal: all).
+
+On the GPU the model is a random checkpoint of ``--shape`` with a byte-level BPE tokenizer trained
+here (``--tokenizer-vocab`` tokens; the model's larger vocabulary is masked beyond it). ``--small``
+runs the default model on the CPU with a small batch, to try the script anywhere.
+
+    python benchmarks/structured_outputs.py --out out/bench            # H200
+    python benchmarks/structured_outputs.py --small --device cpu       # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import base_args, build_checkpoint, environment, report, save  # noqa: E402
+from grammar_engines import train_tokenizer  # noqa: E402
+from structured_schemas import SCHEMAS  # noqa: E402
+
+SUPPORTED = {k: v for k, v in SCHEMAS.items() if k not in ("unique_items", "dependent")}  # llguidance refuses these
+
+
+def tokenizer_dir(root: str, vocab: int) -> str:
+    path = os.path.join(root, f"bpe-{vocab}")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        import shutil
+
+        shutil.copytree(train_tokenizer(vocab), path, dirs_exist_ok=True)
+    return path
+
+
+def decode_steps(core: Any, requests: list[Any], steps: int, warm: int) -> tuple[list[float], dict[str, float]]:
+    """Per-step times while the whole batch decodes, and the structured-output host time."""
+    so = core.structured_output
+    spent = {"bitmask_s": 0.0, "steps": 0}
+    fill = so.grammar_bitmask
+
+    def timed(plan: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fill(plan)
+        spent["bitmask_s"] += time.perf_counter() - t0
+        return out
+
+    so.grammar_bitmask = timed
+    core.add_requests(requests)
+    times = []
+    try:
+        for i in range(warm + steps):
+            if not core.has_unfinished_requests():
+                break
+            sync(core)
+            t0 = time.perf_counter()
+            core.step()
+            core.post_step()
+            sync(core)
+            running = len(core.scheduler.running)
+            if i >= warm and running == len(requests):
+                times.append(time.perf_counter() - t0)
+                spent["steps"] += 1
+    finally:
+        so.grammar_bitmask = fill
+        core.abort_requests([r.request_id for r in requests])
+        while core.has_unfinished_requests():
+            core.step()
+    return times, spent
+
+
+def sync(core: Any) -> None:
+    if core.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tokenizer-vocab", type=int, default=65536)
+    parser.add_argument("--small", action="store_true", help="the default model, batch 8 (any device)")
+    args = parser.parse_args()
+    if args.small:
+        args.batch, args.steps = min(args.batch, 8), min(args.steps, 8)
+    device = torch.device(args.device)
+    env = environment(device)
+    report("structured outputs: configuration", {**env, **vars(args)})
+
+    from specloop import LLM, SamplingParams, StructuredOutputsParams
+    from specloop.kernel.request import Request
+
+    if args.small:
+        llm = LLM(device=args.device, max_model_len=512, max_num_seqs=args.batch)
+    else:
+        path = build_checkpoint(args.shape, args.ckpt_root, device)
+        llm = LLM(path, tokenizer=tokenizer_dir(args.ckpt_root, args.tokenizer_vocab), device=args.device,
+                  max_model_len=1024, max_num_seqs=args.batch, gpu_memory_utilization=0.8)
+    core, tok = llm.core, llm.tokenizer
+    eos = llm.processor.eos_token_ids
+    names = list(SUPPORTED)
+
+    compile_ms = {}
+    for name in names:
+        t0 = time.perf_counter()
+        core.structured_output.compile(StructuredOutputsParams(json=SUPPORTED[name][0]), eos).result()
+        compile_ms[name] = 1e3 * (time.perf_counter() - t0)
+    report("compile ms (cold)", {**compile_ms, "median": statistics.median(compile_ms.values()),
+                                 "max": max(compile_ms.values())})
+
+    prompt = tok.encode("Here is the record as JSON:", add_special_tokens=False)
+
+    def batch(tag: str, constrained: bool, temperature: float, max_tokens: int) -> list[Any]:
+        out = []
+        for i in range(args.batch):
+            schema = SUPPORTED[names[i % len(names)]][0]
+            so = StructuredOutputsParams(json=schema) if constrained else None
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, structured_outputs=so,
+                                    ignore_eos=not constrained)
+            out.append(Request(f"{tag}-{i}", list(prompt), params, eos_token_ids=eos))
+        return out
+
+    plain, _ = decode_steps(core, batch("plain", False, 1.0, 512), args.steps, 2)
+    constrained, spent = decode_steps(core, batch("json", True, 1.0, 512), args.steps, 2)
+    overhead = statistics.median(constrained) / statistics.median(plain) - 1 if plain and constrained else None
+    report(f"decode step at batch {args.batch}", {
+        "plain ms (median)": 1e3 * statistics.median(plain) if plain else None,
+        "json-schema ms (median)": 1e3 * statistics.median(constrained) if constrained else None,
+        "overhead": overhead, "steps counted (plain, json)": f"{len(plain)}, {len(constrained)}",
+        "grammar_bitmask host ms per step": 1e3 * spent["bitmask_s"] / max(spent["steps"], 1)})
+
+    outs = llm.generate([{"prompt_token_ids": prompt}] * args.batch,
+                        [SamplingParams(temperature=1.0, max_tokens=400, seed=100 + i,
+                                        structured_outputs=StructuredOutputsParams(json=SUPPORTED[names[i % len(names)]][0]))
+                         for i in range(args.batch)], use_tqdm=False)
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    stopped = valid = 0
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        if c.finish_reason != "stop":
+            continue
+        stopped += 1
+        try:
+            value = json.loads(c.text)
+            if jsonschema is not None:
+                jsonschema.validate(value, SUPPORTED[names[i % len(names)]][0])
+            valid += 1
+        except Exception as e:  # reported, and the benchmark goes on
+            print(f"  invalid output for {names[i % len(names)]}: {type(e).__name__}: {str(e)[:100]} {c.text[:80]!r}")
+    report("validity", {"finished with stop": f"{stopped}/{args.batch}", "valid among them": f"{valid}/{stopped}",
+                        "validated with": "jsonschema" if jsonschema is not None else "json.loads only"})
+    save(args.out, "structured_outputs", {"benchmark": "structured_outputs", "env": env, "config": vars(args),
+                                          "compile_ms": compile_ms, "plain_step_s": plain,
+                                          "json_step_s": constrained, "overhead": overhead,
+                                          "bitmask_host_s_per_step": spent["bitmask_s"] / max(spent["steps"], 1),
+                                          "stopped": stopped, "valid": valid})
+    core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
