@@ -33,7 +33,8 @@ class DraftingStage:
     def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
                 requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
-        idx = [i for i, s in enumerate(sampled) if s]
+        chunks = self.proposer.needs_prefill_chunks
+        idx = [i for i, s in enumerate(sampled) if s or chunks]
         self.draft_probs.clear()
         if not idx:
             return None

@@ -23,14 +23,9 @@ from specloop.kernel.config import EngineConfig
 from specloop.models.attention import AttentionMetadata
 from specloop.models.context import ForwardContext
 from specloop.models.loader import load_model
-from specloop.sampling import sampler as sampling
-from specloop.sampling.noise import exponential_race, position_key
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
-
-# Draft noise must be independent of the target's (same seed and position), or the recovery
-# sample after a rejection would be correlated with the rejected draft.
-_DRAFT_SEED_SALT = 0x5DEECE66D
+from .draw import draw
 
 
 class DraftModelProposer(Proposer):
@@ -72,7 +67,7 @@ class DraftModelProposer(Proposer):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
-        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]  # none: one-hot
         active = [i for i in range(inputs.num_reqs) if limits[i] > 0]
         if not active:
             return DraftProposal(drafts, [None] * inputs.num_reqs)
@@ -87,10 +82,11 @@ class DraftModelProposer(Proposer):
             live = [i for i in active if limits[i] > step]
             last_hidden = self._forward(inputs, live, feed)
             logits = self._logits(last_hidden)
-            tokens, q = self._sample(inputs, live, logits, drafts)
+            tokens, q = draw(inputs, live, logits, drafts)
             for k, i in enumerate(live):
                 drafts[i].append(tokens[k])
-                probs[i].append(q[k])
+                if q is not None:
+                    probs[i].append(q[k])
                 position = lengths[i] + step
                 feed[i] = (position, [tokens[k]])
         for i in active:
@@ -127,24 +123,3 @@ class DraftModelProposer(Proposer):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.compute_logits(hidden).float()
-
-    def _sample(self, inputs: ProposerInputs, live: list[int], logits: torch.Tensor, drafts: list[list[int]]
-                ) -> tuple[list[int], torch.Tensor]:
-        """Each live request's next draft, drawn with the target's sampling processing (the drafts
-        before it count as output), and the distribution it was drawn from (one-hot for greedy)."""
-        rows = []
-        for i in live:
-            params = inputs.sampling_params[i]
-            tokens = inputs.token_ids[i]
-            num_prompt = int(inputs.num_prompt_tokens[i])
-            stop_ids = sampling.stop_token_ids(params, inputs.eos_token_ids[i])
-            rows.append(sampling.SamplingRow(params, int(inputs.seeds[i]) ^ _DRAFT_SEED_SALT,
-                                             len(tokens) + len(drafts[i]), tokens[:num_prompt].tolist(),
-                                             tokens[num_prompt:].tolist() + drafts[i], stop_ids))
-        meta = sampling.SamplingMetadata.build(rows, logits.shape[1], logits.device)
-        q = sampling.probabilities(sampling.process_logits(logits, meta), meta)
-        tokens = q.argmax(dim=-1)
-        if not meta.all_greedy:
-            drawn = exponential_race(q, position_key(meta.seeds, meta.positions))
-            tokens = torch.where(meta.greedy, tokens, drawn)
-        return tokens.tolist(), q
