@@ -10,3 +10,6 @@ from specloop.kernel.hookspecs import Register, hookimpl
 def specloop_register_proposers(register: Register) -> None:
     register("ngram", "specloop.proposers.ngram:NgramProposer")
     register("draft_model", "specloop.proposers.draft_model:DraftModelProposer")
+    register("eagle", "specloop.proposers.eagle:EagleProposer")
+    register("eagle3", "specloop.proposers.eagle:Eagle3Proposer")
+    register("medusa", "specloop.proposers.medusa:MedusaProposer")
