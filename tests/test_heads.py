@@ -137,26 +137,30 @@ def test_greedy_is_identical(heads, reference, method: str, target: str) -> None
 
 # --- the head's cache against the training code's dense drafting ------------------------------
 
-def reference_drafts(target, tensors: dict[str, torch.Tensor], version: int, tokens: list[int], k: int,
-                     layers: tuple[int, ...] = (1, 0, 2)) -> list[int]:
+def reference_drafts(hf_target, tensors: dict[str, torch.Tensor], config: dict, version: int, tokens: list[int],
+                     k: int) -> list[int]:
     """Greedy drafts for ``tokens`` from scratch: the target's hidden states over all but the newest
     token, then ``k`` training-time-test steps of the training code's layer; only the last position's
     inputs change between steps (it is the only one the drafts read)."""
     eagle3 = version == 3
-    layer = train_heads.Layer(H, 4, 2, 16, eagle3, intermediate=96)
+    h = config["hidden_size"]
+    layer = train_heads.Layer(h, config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+                              eagle3, intermediate=config["intermediate_size"], eps=config["rms_norm_eps"],
+                              theta=config["rope_theta"])
+    layers = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     prefix = "midlayer." if eagle3 else "layers.0."
     layer.load_state_dict({n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
     fc = torch.nn.Linear(*tensors["fc.weight"].shape[::-1], bias=False)
     fc.weight.data.copy_(tensors["fc.weight"])
     last: list[torch.Tensor] = []  # the stream after the last layer, before the final norm
-    hook = target.hf.model.layers[-1].register_forward_hook(
+    hook = hf_target.model.layers[-1].register_forward_hook(
         lambda module, args, out: last.append(out[0] if isinstance(out, tuple) else out))
     with torch.no_grad():
-        out = target.hf(torch.tensor([tokens[:-1]]), output_hidden_states=True)
+        out = hf_target(torch.tensor([tokens[:-1]]), output_hidden_states=True)
         hook.remove()
         streams = list(out.hidden_states[:-1]) + last
         ids = torch.tensor([tokens[1:]])
-        embed = target.hf.model.embed_tokens
+        embed = hf_target.model.embed_tokens
         hidden = fc(torch.cat([streams[i] for i in layers], -1)) if eagle3 else out.hidden_states[-1]
         positions = torch.arange(len(tokens) - 1)
         cache: list = []
@@ -165,13 +169,13 @@ def reference_drafts(target, tensors: dict[str, torch.Tensor], version: int, tok
             emb = embed(ids)
             if eagle3:
                 hidden = layer(hidden, positions + j, cache, emb)
-                norm = train_heads.RMSNorm(H)
+                norm = train_heads.RMSNorm(h, config["rms_norm_eps"])
                 norm.weight.data.copy_(tensors["norm.weight"])
                 draft = int(tensors["lm_head.weight"].matmul(norm(hidden[0, -1])).argmax())
                 token = draft + int(tensors["d2t"][draft])
             else:
                 hidden = layer(fc(torch.cat([emb, hidden], -1)), positions + j, cache)
-                token = int(target.hf.lm_head(hidden[0, -1]).argmax())
+                token = int(hf_target.lm_head(hidden[0, -1]).argmax())
             drafts.append(token)
             ids = ids.clone()
             ids[0, -1] = token
@@ -185,6 +189,7 @@ def test_proposals_equal_dense_drafting(heads, reference, method: str) -> None:
     target = hf_models.tiny("qwen3")
     version = 3 if method == "eagle3" else 1
     tensors = (eagle3_tensors if version == 3 else eagle_tensors)()
+    config = eagle3_config() if version == 3 else HEAD
     checked = []
     base = Eagle3Proposer if version == 3 else EagleProposer
 
@@ -193,7 +198,7 @@ def test_proposals_equal_dense_drafting(heads, reference, method: str) -> None:
             proposal = super().propose(inputs)
             for tokens, drafts in zip(inputs.token_ids, proposal.draft_token_ids):
                 if drafts:
-                    assert drafts == reference_drafts(target, tensors, version, tokens.tolist(), len(drafts))
+                    assert drafts == reference_drafts(target.hf, tensors, config, version, tokens.tolist(), len(drafts))
                     checked.append(len(drafts))
             return proposal
 

@@ -495,7 +495,7 @@ for _name, _build in (("specloop-tiny-eagle", lambda data: train_heads.EagleHead
                       ("specloop-tiny-eagle3", lambda data: train_heads.Eagle3Head(_TARGET, data)),
                       ("specloop-tiny-medusa", lambda data: train_heads.MedusaHeads(_TARGET, data))):
     RECIPES[_name] = Recipe(_name, _build, lambda m, x, y: m.loss(x, y), lambda m: m.state_dict_out(),
-                            lambda m: m.config(), lr=2e-3, batch_size=32, steps=None, weight_decay=0.0,
+                            lambda m: m.config(), lr=3e-3, batch_size=32, steps=None, weight_decay=0.0,
                             warmup_steps=30, head=True)
 
 

@@ -34,7 +34,7 @@ from torch import nn
 HEAD_INTERMEDIATE = 384  # the heads' MLP width (the target's is 896): small to ship, cheap to draft
 DRAFT_VOCAB = 2048  # EAGLE-3's draft vocabulary and Medusa's token map: ~92% of held-out tokens
 EAGLE3_LAYERS = (1, 3, 5)  # low, middle, high: the residual stream entering these target layers
-TTT_STEPS = 4  # EAGLE-3 training-time-test depth
+TTT_STEPS = 3  # EAGLE-3 training-time-test depth
 MEDUSA_HEADS = 5
 EAGLE_NOISE = 0.2  # EAGLE-1: uniform noise of this width on the target's features
 DECAY = 0.8  # weight of each further draft position's loss
