@@ -201,7 +201,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per batch size at least; smaller batches run several rounds")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per configuration, alternating with no speculation; the fastest counts "
+                             "(0: one run each, not alternated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
                              "and a busy machine makes a multi-threaded pool stall)")
@@ -260,10 +262,13 @@ def main() -> None:
                 except (ValueError, RuntimeError) as e:
                     report(f"batch {b}: {method} K={k}", {"skipped": str(e)})
                     continue
-                # Alternate the two engines so that both see the same machine conditions.
-                base.times.clear()
-                for _ in range(args.repeat):
-                    base.run()
+                # Alternate the two engines so that both see the same machine conditions (--repeat 0:
+                # one run with speculation against the first run without, for acceptance tables).
+                if args.repeat:
+                    base.times.clear()
+                for _ in range(max(args.repeat, 1)):
+                    if args.repeat:
+                        base.run()
                     engine.run()
                 cost = engine.costs()
                 engine.close()
