@@ -1,5 +1,6 @@
-"""The runner's side of speculative decoding: after sampling, hand the requests that sampled to the
-proposer (``specloop.proposers``) with what it declared it needs, keep its drafts for
+"""The runner's side of speculative decoding: after sampling, hand the requests that sampled (and,
+to a proposer with ``needs_prefill_chunks``, those that computed a prefill chunk) to the proposer
+(``specloop.proposers``) with what it declared it needs, keep its drafts for
 ``take_draft_token_ids`` and the probabilities they were drawn from for the next verification."""
 
 from __future__ import annotations
