@@ -46,8 +46,10 @@ def _randn(g: torch.Generator, *shape: int, std: float = 0.15) -> torch.Tensor:
 
 
 def _layer(g: torch.Generator, prefix: str, d_in: int, input_norms: bool) -> dict[str, torch.Tensor]:
-    t = {prefix + "self_attn.q_proj.weight": _randn(g, 64, d_in), prefix + "self_attn.k_proj.weight": _randn(g, 32, d_in),
-         prefix + "self_attn.v_proj.weight": _randn(g, 32, d_in), prefix + "self_attn.o_proj.weight": _randn(g, H, 64),
+    t = {prefix + "self_attn.q_proj.weight": _randn(g, 64, d_in),
+         prefix + "self_attn.k_proj.weight": _randn(g, 32, d_in),
+         prefix + "self_attn.v_proj.weight": _randn(g, 32, d_in),
+         prefix + "self_attn.o_proj.weight": _randn(g, H, 64),
          prefix + "mlp.gate_proj.weight": _randn(g, 96, H), prefix + "mlp.up_proj.weight": _randn(g, 96, H),
          prefix + "mlp.down_proj.weight": _randn(g, H, 96),
          prefix + "post_attention_layernorm.weight": 1 + _randn(g, H)}
@@ -239,7 +241,8 @@ def test_eagle_spellings_load_the_same_weights(tmp_path) -> None:
     same, _, _ = load_head(write_head(tmp_path / "b", HEAD, extra), 1, ctx, torch.float32)
     assert all(torch.equal(a, b) for a, b in zip(params(plain).values(), params(same).values()))
     q = plain.layers[0].self_attn.qkv_proj.weight
-    assert torch.equal(q[:64], t["layers.0.self_attn.q_proj.weight"]) and torch.equal(q[96:], t["layers.0.self_attn.v_proj.weight"])
+    assert torch.equal(q[:64], t["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(q[96:], t["layers.0.self_attn.v_proj.weight"])
     # fc.bias (the EAGLE repository's default) and HASS's two input norms.
     hass = {**t, "fc.bias": torch.ones(H), "embedding_layernorm.weight": torch.ones(H),
             "hidden_states_layernorm.weight": torch.ones(H)}
@@ -302,7 +305,8 @@ def test_medusa_spellings_load_the_same_weights(tmp_path) -> None:
 
 @pytest.mark.parametrize("method, change, message", [
     ("eagle", lambda c, t: t.pop("layers.0.mlp.down_proj.weight"), "lacks 1 tensor.*layers.0.mlp.down_proj.weight"),
-    ("eagle", lambda c, t: t.update({"fc.weight": torch.zeros(H, 3 * H)}), "'fc.weight' has shape \\(64, 192\\), expected \\(64, 128\\)"),
+    ("eagle", lambda c, t: t.update({"fc.weight": torch.zeros(H, 3 * H)}),
+     "'fc.weight' has shape \\(64, 192\\), expected \\(64, 128\\)"),
     ("eagle", lambda c, t: t.update({"layers.0.input_layernorm.weight": torch.ones(H)}), "unexpected.*input_layernorm"),
     ("eagle", lambda c, t: c.update({"hidden_size": 32}), "hidden_size \\(32\\) differs from the target's \\(64\\)"),
     ("eagle", lambda c, t: c.pop("intermediate_size"), "lacks required field 'intermediate_size'"),
@@ -320,8 +324,8 @@ def test_medusa_spellings_load_the_same_weights(tmp_path) -> None:
     ("medusa", lambda c, t: c.update({"truncated_vocab_size": 100}), "lacks 1 tensor.*token_map"),
 ])
 def test_malformed_checkpoints_name_the_tensor(tmp_path, heads, method: str, change, message: str) -> None:
-    config = {"eagle": dict(HEAD), "eagle3": eagle3_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 2]}),
-              "medusa": dict(MEDUSA)}[method]
+    config = {"eagle": dict(HEAD), "medusa": dict(MEDUSA),
+              "eagle3": eagle3_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 0, 2]})}[method]
     tensors = {"eagle": eagle_tensors, "eagle3": eagle3_tensors, "medusa": medusa_tensors}[method]()
     change(config, tensors)
     path = write_head(tmp_path / method, config, tensors)
@@ -345,5 +349,5 @@ def test_methods_need_a_head(heads) -> None:
         with pytest.raises(ValueError, match="needs 'model'"):
             LLM(target, skip_tokenizer_init=True, speculative_config={"method": method, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="no config.json"):
-        LLM(target, skip_tokenizer_init=True, speculative_config={"method": "eagle", "model": os.path.dirname(heads["eagle"]),
-                                                                  "num_speculative_tokens": 2})
+        LLM(target, skip_tokenizer_init=True, speculative_config={
+            "method": "eagle", "model": os.path.dirname(heads["eagle"]), "num_speculative_tokens": 2})

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 HEAD_INTERMEDIATE = 384  # the heads' MLP width (the target's is 896): small to ship, cheap to draft
-DRAFT_VOCAB = 2048  # EAGLE-3's draft vocabulary and Medusa's token map: ~92% of held-out tokens
+# EAGLE-3's draft vocabulary and Medusa's token map: 87% of held-out tokens, 92% of the target's picks.
+DRAFT_VOCAB = 2048
 EAGLE3_LAYERS = (1, 3, 5)  # low, middle, high: the residual stream entering these target layers
 TTT_STEPS = 3  # EAGLE-3 training-time-test depth
 MEDUSA_HEADS = 5
@@ -247,8 +248,8 @@ class Eagle3Head(nn.Module):
 
     def config(self) -> dict:
         c = self.target.config
-        return head_config(c, ["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB, target_hidden_size=c.hidden_size,
-                           norm_before_residual=False,
+        return head_config(c, ["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
+                           target_hidden_size=c.hidden_size, norm_before_residual=False,
                            eagle_config={"eagle_aux_hidden_state_layer_ids": list(EAGLE3_LAYERS),
                                          "use_aux_hidden_state": True})
 
@@ -315,8 +316,9 @@ def layer_state(layer: Layer, prefix: str) -> dict[str, torch.Tensor]:
 def head_config(c, architectures: list[str], **extra) -> dict:
     """A Llama-style ``config.json`` for a one-layer head of the target ``c``."""
     return {"architectures": architectures, "model_type": "llama", "hidden_size": c.hidden_size,
-            "intermediate_size": HEAD_INTERMEDIATE, "num_hidden_layers": 1, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+            "intermediate_size": HEAD_INTERMEDIATE, "num_hidden_layers": 1,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "hidden_act": "silu",
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": 10000.0, "max_position_embeddings": c.max_position_embeddings,
             "vocab_size": c.vocab_size, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **extra}
 
