@@ -1,5 +1,5 @@
 """The runner's side of speculative decoding: after sampling, hand the requests that sampled (and,
-to a proposer that asks, those that computed a prompt chunk) to the proposer
+to a proposer with ``runs_on_prefill_chunks``, those that computed a prefill chunk) to the proposer
 (``specloop.proposers``) with what it declared it needs, keep its drafts for
 ``take_draft_token_ids`` and the probabilities they were drawn from for the next verification."""
 

@@ -13,12 +13,20 @@ each K. Reported per configuration:
   t_step being wall time per engine step (drafting included);
 * step ratio = engine steps without / with speculation: the speedup a step-time-bound engine would
   see if drafting and wider verification were free (deterministic, unlike wall times);
-* whether the tokens equal the run without speculation (they must, for greedy decoding).
+* whether the tokens equal the run without speculation (they must, for greedy decoding);
+* draft cost = the proposer's time per verify step (feeding the accepted tokens and drafting K) and
+  per drafted token, relative to the target's forward per step without speculation, both measured
+  in one extra untimed run of each engine with timers around ``proposer.propose`` and the
+  executor's forward (synchronising the device around each).
 
 Prompts: ``heldout`` takes windows of the standard-library modules held out from the default model's
 training (``tools/train_default_models.py``), tokenized with the model's tokenizer; ``random``
 draws token ids uniformly. The model defaults to the shipped ``specloop-tiny`` and the draft to
-``specloop-tiny-draft`` (else the target itself, an upper bound on acceptance).
+``specloop-tiny-draft`` (else the target itself, an upper bound on acceptance); a head method
+(``eagle``, ``eagle3``, ``medusa``, any other registered one) reads ``<model>-<method>`` next to the
+target, or ``--head METHOD=DIR``. ``--methods`` defaults to every built-in proposer (and ``mtp``
+when one is registered); a method whose engine cannot be built for this target is reported and
+skipped.
 
 With ``--alpha A`` every method runs acceptance-controlled (``proposers/controlled.py``): it pays its
 real drafting cost, but its drafts are replaced by the target's known greedy continuation (from the
@@ -83,6 +91,24 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return heldout_prompts(Tokenizer(args.model), n, args.prompt_len, args.seed)
 
 
+class Timer:
+    """Wall time inside a callable, the device synchronised around each call."""
+
+    def __init__(self, fn: Any, cuda: bool) -> None:
+        self.fn, self.cuda, self.seconds, self.calls = fn, cuda, 0.0, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
 class Engine:
     """One ``LLM`` (with or without speculation) generating the benchmark's prompts ``batch_size`` at
     a time, one ``generate`` call per round."""
@@ -118,6 +144,25 @@ class Engine:
             self.stats["tokens"] = [o.outputs[0].token_ids for o in outs]
             self.stats["output_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
 
+    def costs(self) -> dict[str, float]:
+        """One more run with timers: seconds of target forward and of proposing, per step."""
+        runner = self.llm.core.runner
+        forward = Timer(runner.forward, self.cuda)
+        runner.forward = forward
+        propose = None
+        if runner.drafter is not None:
+            propose = runner.drafter.proposer.propose = Timer(runner.drafter.proposer.propose, self.cuda)
+        before = self.llm.get_metrics()
+        for batch in self.rounds:
+            self.llm.generate(batch, self.params, use_tqdm=False)
+        drafted = self.llm.get_metrics()["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        del runner.forward
+        if propose is not None:
+            del runner.drafter.proposer.propose
+        return {"forward_s": forward.seconds / max(forward.calls, 1),
+                "propose_s": propose.seconds / max(propose.calls, 1) if propose else 0.0,
+                "propose_per_token_s": propose.seconds / max(drafted, 1) if propose else 0.0}
+
     @property
     def seconds(self) -> float:
         return min(self.times)
@@ -151,7 +196,10 @@ def main() -> None:
                         help="target model directory, or a benchmarks/common.py shape name (random weights)")
     parser.add_argument("--draft-model", default=None,
                         help="draft model directory (default: specloop-tiny-draft next to the target, else the target)")
-    parser.add_argument("--methods", default="ngram,draft_model")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated (default: ngram,draft_model,eagle,eagle3,medusa, and mtp if registered)")
+    parser.add_argument("--head", action="append", default=[], metavar="METHOD=DIR",
+                        help="checkpoint of a head method (default: <model>-<method> next to the target)")
     parser.add_argument("--ks", default="1,2,3,5")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--prompts", choices=("heldout", "random"), default="heldout")
@@ -162,7 +210,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per batch size at least; smaller batches run several rounds")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per configuration; the fastest counts")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed runs per configuration, alternating with no speculation; the fastest counts "
+                             "(0: one run each, not alternated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
                              "and a busy machine makes a multi-threaded pool stall)")
@@ -174,7 +224,13 @@ def main() -> None:
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.methods is None:
+        from specloop.kernel.plugins import PluginManager
+
+        registered = PluginManager().proposers.names()
+        args.methods = "ngram,draft_model,eagle,eagle3,medusa" + (",mtp" if "mtp" in registered else "")
     args.methods = args.methods.split(",")
+    heads = dict(h.split("=", 1) for h in args.head)
     device = torch.device(args.device)
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
@@ -201,8 +257,10 @@ def main() -> None:
         batch = prompts[:num_prompts(args, b)]
         base = Engine(args, batch, b, None)
         base.run()
+        base_cost = base.costs()
         report(f"batch {b}: no speculation", {"seconds": base.seconds, "steps": base.stats["steps"],
-                                             "output tok/s": base.stats["output_tokens"] / base.seconds})
+                                             "output tok/s": base.stats["output_tokens"] / base.seconds,
+                                             "target forward ms/step": 1e3 * base_cost["forward_s"]})
         for method in args.methods:
             for k in args.ks:
                 spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k, "policy": args.policy}
@@ -210,17 +268,29 @@ def main() -> None:
                     spec.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
                 elif method == "draft_model":
                     spec["model"] = args.draft_model
+                else:
+                    head = heads.get(method, args.model.rstrip("/") + "-" + method)
+                    if os.path.isdir(head):
+                        spec["model"] = head
                 options: dict[str, Any] = {}
                 if args.alpha is not None:
                     spec.update(method="controlled", extra={"wraps": method, "alpha": args.alpha})
                     truth = {tuple(p): t for p, t in zip(batch, base.stats["tokens"])}
                     options["controlled"] = {"continuations": truth}
-                engine = Engine(args, batch, b, spec, options)
-                # Alternate the two engines so that both see the same machine conditions.
-                base.times.clear()
-                for _ in range(args.repeat):
-                    base.run()
+                try:
+                    engine = Engine(args, batch, b, spec, options)
+                except (ValueError, RuntimeError) as e:
+                    report(f"batch {b}: {method} K={k}", {"skipped": str(e)})
+                    continue
+                # Alternate the two engines so that both see the same machine conditions (--repeat 0:
+                # one run with speculation against the first run without, for acceptance tables).
+                if args.repeat:
+                    base.times.clear()
+                for _ in range(max(args.repeat, 1)):
+                    if args.repeat:
+                        base.run()
                     engine.run()
+                cost = engine.costs()
                 engine.close()
                 run, base_steps = engine.stats, base.stats["steps"]
                 speedup = base.seconds / engine.seconds
@@ -229,6 +299,8 @@ def main() -> None:
                        "base_seconds": base.seconds, "speedup": speedup, "ideal_speedup": ideal,
                        "efficiency": speedup / ideal, "step_ratio": base_steps / run["steps"],
                        "identical": run["tokens"] == base.stats["tokens"],
+                       "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
+                       "draft_token_cost": cost["propose_per_token_s"] / base_cost["forward_s"],
                        **{key: v for key, v in run.items() if key != "tokens"}}
                 results.append(row)
                 report(f"batch {b}: {method} K={k}", {
@@ -237,15 +309,18 @@ def main() -> None:
                     "seconds (no speculation)": f"{engine.seconds:.3f} ({base.seconds:.3f})",
                     "speedup": speedup, "ideal speedup": ideal, "efficiency": row["efficiency"],
                     "steps": row["steps"], "step ratio": row["step_ratio"],
+                    "draft cost per step / per token (x target step)":
+                        f"{row['draft_step_cost']:.2f} / {row['draft_token_cost']:.2f}",
                     "identical to no speculation": row["identical"]})
         base.close()
-    print("\n| batch | method | K | acceptance | mean acc. len | per-position | step ratio | speedup | ideal "
-          "| efficiency | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| batch | method | K | acceptance | mean acc. len | per-position | draft cost / step | "
+          "/ token | step ratio | speedup | ideal | efficiency | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | "
-              f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['step_ratio']:.2f} | {r['speedup']:.2f}x | "
+              f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['draft_step_cost']:.2f} | "
+              f"{r['draft_token_cost']:.2f} | {r['step_ratio']:.2f} | {r['speedup']:.2f}x | "
               f"{r['ideal_speedup']:.2f}x | "
               f"{r['efficiency']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results})

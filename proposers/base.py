@@ -14,6 +14,10 @@ from) plus the tokens sampled after them (previous hidden state + next token emb
 per draft); EAGLE-3 also reads the hidden states of ``hidden_state_layers``; Medusa reads the
 sampled positions' hidden states only. A proposer declares what it needs as attributes, so the
 runner computes and keeps only what is asked for.
+
+A proposer whose cache is built from the target's hidden states (EAGLE) must see every position the
+target computes, including prefill chunks that sample nothing: it sets ``runs_on_prefill_chunks`` and
+then also gets those requests, with ``num_sampled == 0`` (it drafts nothing for them).
 """
 
 from __future__ import annotations
@@ -67,10 +71,11 @@ class ProposerInputs:
 
     req_ids: list[str]
     # Prompt + committed output + this step's accepted tokens (the last one is the newest sample,
-    # whose KV nobody has computed yet).
+    # whose KV nobody has computed yet). A prefill chunk's request: its whole known sequence.
     token_ids: list[np.ndarray]
     num_prompt_tokens: np.ndarray  # [B]
-    # Tokens emitted this step (accepted drafts + the target's token) and drafts rejected.
+    # Tokens emitted this step (accepted drafts + the target's token; 0 for a prefill chunk) and
+    # drafts rejected.
     num_sampled: np.ndarray  # [B]
     num_rejected: np.ndarray  # [B]
     sampling_params: list[SamplingParams]
@@ -136,7 +141,8 @@ class Proposer(ABC):
 
     # Fill ProposerInputs.hidden_states / sampled_rows / query_start_loc / positions.
     needs_hidden_states: bool = False
-    # Target layers whose input stream goes to ProposerInputs.aux_hidden_states (EAGLE-3).
+    # Target layers whose input stream goes to ProposerInputs.aux_hidden_states (EAGLE-3), in
+    # increasing order (the forward taps them in layer order).
     hidden_state_layers: tuple[int, ...] = ()
     # Also pass the requests whose step was a partial prefill chunk (they sample nothing this step:
     # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions (MTP)

@@ -26,7 +26,7 @@ from specloop.models.loader import load_model
 from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
-from .draft_sampling import sample_drafts
+from .draw import draw
 
 
 class DraftModelProposer(Proposer):
@@ -68,7 +68,7 @@ class DraftModelProposer(Proposer):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
-        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
+        probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]  # none: one-hot
         active = [i for i in range(inputs.num_reqs) if limits[i] > 0]
         if not active:
             return DraftProposal(drafts, [None] * inputs.num_reqs)
@@ -83,7 +83,7 @@ class DraftModelProposer(Proposer):
             live = [i for i in active if limits[i] > step]
             last_hidden = self._forward(inputs, live, feed)
             logits = self._logits(last_hidden)
-            tokens, q = sample_drafts(inputs, live, logits, drafts)
+            tokens, q = draw(inputs, live, logits, drafts)
             for k, i in enumerate(live):
                 drafts[i].append(tokens[k])
                 if q is not None and not inputs.sampling_params[i].greedy:

@@ -36,7 +36,7 @@ from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
-from .draft_sampling import sample_drafts
+from .draw import draw
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -103,7 +103,7 @@ class MTPProposer(Proposer):
                                              hidden[torch.tensor(keep, device=self.device)])
                 norm_input = self.model.logits_input(hidden, self.ops, step % self.num_layers)
                 logits = self.lm_head(norm_input.to(self.target_dtype)).float()
-                tokens, q = sample_drafts(inputs, live, logits, drafts)
+                tokens, q = draw(inputs, live, logits, drafts)
                 for k, i in enumerate(live):
                     drafts[i].append(tokens[k])
                     if q is not None and not inputs.sampling_params[i].greedy:

@@ -12,6 +12,9 @@ def specloop_register_proposers(register: Register) -> None:
     register("draft_model", "specloop.proposers.draft_model:DraftModelProposer")
     register("mtp", "specloop.proposers.mtp:MTPProposer")
     register("deepseek_mtp", "specloop.proposers.mtp:MTPProposer")  # vLLM's name
+    register("eagle", "specloop.proposers.eagle:EagleProposer")
+    register("eagle3", "specloop.proposers.eagle:Eagle3Proposer")
+    register("medusa", "specloop.proposers.medusa:MedusaProposer")
     register("controlled", "specloop.proposers.controlled:ControlledProposer")
 
 

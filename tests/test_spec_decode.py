@@ -262,7 +262,8 @@ def test_cli_speculative_config_reaches_the_engine_config() -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "medusa2", "num_speculative_tokens": 2}, "registered: .*draft_model, .*mtp, .*ngram"),
+    ({"method": "medusa2", "num_speculative_tokens": 2},
+     "registered: .*draft_model, .*eagle, eagle3, medusa, mtp, ngram"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram"}, "num_speculative_tokens"),

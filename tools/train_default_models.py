@@ -13,8 +13,14 @@ training modules and writes the token ids as ``.npy``. ``train`` trains every re
 ``report`` measures the shipped directories in float32 on the CPU.
 
 A recipe says what to train: how to build the module, its loss, what to do after each optimizer step
-and how to write the checkpoint. Heads for the target (EAGLE, EAGLE-3, Medusa) are new recipes that
-load ``specloop-tiny`` in ``build`` and freeze it.
+and how to write the checkpoint. The speculative heads for the target (``specloop-tiny-eagle``,
+``-eagle3``, ``-medusa``; modules in ``train_heads.py``) are recipes that load the shipped
+``specloop-tiny`` in ``build`` and freeze it; only the head trains. Everything runs on ``--device``
+(default: CUDA when present); a CPU run of the heads, as shipped:
+
+    nice -n 10 python tools/train_default_models.py train --data .train --out out/heads \
+        --only specloop-tiny-eagle,specloop-tiny-eagle3,specloop-tiny-medusa --device cpu --threads 2 \
+        --seq-len 256 --batch-size 8 --eval-every 50 --eval-windows 8 --final-windows 40
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import train_heads
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_ID, IM_END_ID = 0, 2  # <|im_start|> is 1
@@ -418,18 +426,27 @@ def load_mtp_layer(model_dir: Path, lm: nn.Module) -> MTPLayer:
     return mtp.eval()
 
 
-def write_checkpoint(sd: dict[str, torch.Tensor], config, tok_dir: Path, out: Path) -> None:
-    """config.json, model.safetensors in bf16 (the routing bias stays fp32, as DeepSeek-V3 ships it)
-    and the tokenizer files."""
+def write_checkpoint(sd: dict[str, torch.Tensor], config, tok_dir: Path | None, out: Path) -> None:
+    """config.json (a transformers config, or a dict for the heads), model.safetensors with floating
+    tensors in bf16 (the routing bias stays fp32, as DeepSeek-V3 ships it; index maps keep their
+    integer or bool type) and, with ``tok_dir``, the tokenizer files."""
     from safetensors.torch import save_file
 
+    def stored(k: str, v: torch.Tensor) -> torch.Tensor:
+        if not v.is_floating_point():
+            return v
+        return v.float() if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
+
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).contiguous().cpu()
-               for k, v in sd.items()}
+    tensors = {k: stored(k, v.detach()).contiguous().cpu() for k, v in sd.items()}
     save_file(dict(sorted(tensors.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(tok_dir / name, out / name)
+    if isinstance(config, dict):
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        config.save_pretrained(out)
+    if tok_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copyfile(tok_dir / name, out / name)
 
 
 @torch.no_grad()
@@ -461,7 +478,7 @@ class Recipe:
     """What to train and how to ship it. Set once, in :data:`RECIPES`."""
 
     name: str  # the shipped directory under default_models/
-    build: Callable[[], nn.Module]
+    build: Callable[[Path], nn.Module]  # called with the --data directory
     loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
     state_dict: Callable[[nn.Module], dict[str, torch.Tensor]]
     config: Callable[[nn.Module], object]
@@ -472,10 +489,11 @@ class Recipe:
     weight_decay: float = 0.1
     warmup_steps: int = 200
     min_lr_ratio: float = 0.1
+    head: bool = False  # a speculative head: no tokenizer files, its own reload check, not in ``report``
 
 
-def _qwen3(config_fn: Callable[[], object]) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
+def _qwen3(config_fn: Callable[[], object]) -> Callable[[Path], nn.Module]:
+    def build(_data: Path) -> nn.Module:
         from transformers import Qwen3ForCausalLM
 
         return Qwen3ForCausalLM(config_fn())
@@ -489,10 +507,17 @@ RECIPES: dict[str, Recipe] = {
                             lambda m: m.config, lr=2e-3, batch_size=64, steps=1100),
     "specloop-tiny-draft": Recipe("specloop-tiny-draft", _qwen3(draft_config), causal_lm_loss, qwen3_state_dict,
                                   lambda m: m.config, lr=3e-3, batch_size=64, steps=6109),
-    "specloop-tiny-mtp": Recipe("specloop-tiny-mtp", lambda: DeepseekV3WithMTP(mtp_config()), mtp_lm_loss,
+    "specloop-tiny-mtp": Recipe("specloop-tiny-mtp", lambda _data: DeepseekV3WithMTP(mtp_config()), mtp_lm_loss,
                                 deepseek_state_dict, lambda m: m.lm.config, lr=2e-3, batch_size=64, steps=959,
                                 after_step=ExpertBalancer),
 }
+_TARGET = SHIPPED / "specloop-tiny"
+for _name, _build in (("specloop-tiny-eagle", lambda data: train_heads.EagleHead(_TARGET)),
+                      ("specloop-tiny-eagle3", lambda data: train_heads.Eagle3Head(_TARGET, data)),
+                      ("specloop-tiny-medusa", lambda data: train_heads.MedusaHeads(_TARGET, data))):
+    RECIPES[_name] = Recipe(_name, _build, lambda m, x, y: m.loss(x, y), lambda m: m.state_dict_out(),
+                            lambda m: m.config(), lr=3e-3, batch_size=32, steps=None, weight_decay=0.0,
+                            warmup_steps=30, head=True)
 
 
 def parameter_count(sd: dict[str, torch.Tensor]) -> int:
@@ -538,8 +563,11 @@ def evaluate(recipe: Recipe, module: nn.Module, windows: torch.Tensor, device: t
     return {k: v / len(windows) for k, v in totals.items()}
 
 
+AUTOCAST_DEVICES = {"cuda"}  # --cpu-bf16 adds "cpu"
+
+
 def autocast(device: torch.device) -> torch.autocast:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type in AUTOCAST_DEVICES)
 
 
 def lr_at(step: int, total: int, recipe: Recipe) -> float:
@@ -559,11 +587,12 @@ def train_one(recipe: Recipe, data: Path, out: Path, *, device: torch.device, se
     and log it, past ``max_seconds``."""
     t0 = time.time()
     torch.manual_seed(seed)
-    module = recipe.build().to(device)
+    module = recipe.build(data).to(device)
     module.train()
     after_step = recipe.after_step(module)
-    decay = [p for p in module.parameters() if p.ndim >= 2]
-    no_decay = [p for p in module.parameters() if p.ndim < 2]
+    trained = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
@@ -631,13 +660,16 @@ def train_one(recipe: Recipe, data: Path, out: Path, *, device: torch.device, se
         module.load_state_dict(best[2])
     final = evaluate(recipe, module, heldout_windows(heldout, seq_len, final_windows), device, bs)
     sd = recipe.state_dict(module)
-    write_checkpoint(sd, recipe.config(module), data / "tokenizer", out / recipe.name)
-    reload_diff = check_reload(module, out / recipe.name, probe[:2, :-1].to(device))
+    write_checkpoint(sd, recipe.config(module), None if recipe.head else data / "tokenizer", out / recipe.name)
+    if recipe.head:
+        reload_diff = train_heads.check_head_reload(module, out / recipe.name)
+    else:
+        reload_diff = check_reload(module, out / recipe.name, probe[:2, :-1].to(device))
     summary = {"name": recipe.name, "steps": step, "shipped_step": best[1], "batch_size": bs, "seq_len": seq_len,
                "tokens_seen": step * bs * seq_len, "train_seconds": train_seconds, "seed": seed,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "shipped_parameters": parameter_count(sd),
-               "trained_parameters": sum(p.numel() for p in module.parameters()),
+               "trained_parameters": sum(p.numel() for p in trained),
                "reload_max_abs_diff": reload_diff, **{f"heldout_{k}": v for k, v in final.items()}}
     record({"summary": summary})
     print(json.dumps(summary), flush=True)
@@ -685,15 +717,27 @@ def cmd_train(args: argparse.Namespace) -> None:
             base += ["--steps", str(args.steps)]
         if args.smoke:
             base.append("--smoke")
+        for flag in ("device", "threads", "seq_len", "batch_size", "eval_every", "eval_windows", "final_windows"):
+            if getattr(args, flag) is not None:
+                base += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+        if args.cpu_bf16:
+            base.append("--cpu-bf16")
         procs = [subprocess.Popen(base + ["--only", n]) for n in names]
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("a training process failed")
     else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.set_float32_matmul_precision("high")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.cpu_bf16:
+            AUTOCAST_DEVICES.add("cpu")
         for name in names:
             smoke = dict(seq_len=64, batch_size=2, eval_every=2, eval_windows=2, final_windows=4) if args.smoke else \
                 dict(seq_len=SEQ_LEN, batch_size=None, eval_every=100, eval_windows=48, final_windows=None)
+            for key in smoke:
+                if getattr(args, key) is not None:
+                    smoke[key] = getattr(args, key)
             steps = args.steps if args.steps is not None else 4 if args.smoke else RECIPES[name].steps
             max_seconds = args.max_seconds if args.max_seconds is not None else args.budget_s * 1.1
             train_one(RECIPES[name], args.data, args.out, device=device, seed=args.seed, steps=steps,
@@ -713,7 +757,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     windows = heldout_windows(heldout, SEQ_LEN, args.windows)
     report: dict = {"windows": len(windows), "tokens": int(windows[:, 1:].numel())}
     tok = Tokenizer.from_file(str(SHIPPED / "specloop-tiny" / "tokenizer.json"))
-    for name in RECIPES:
+    for name in (n for n, r in RECIPES.items() if not r.head):
         path = SHIPPED / name
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         mtp = load_mtp_layer(path, lm) if name == "specloop-tiny-mtp" else None
@@ -762,6 +806,14 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--parallel", action="store_true", help="one process per recipe")
     t.add_argument("--smoke", action="store_true", help="a few tiny steps (CPU check of the whole path)")
+    t.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    t.add_argument("--cpu-bf16", action="store_true", help="bf16 autocast on the CPU too (as on CUDA)")
+    t.add_argument("--seq-len", type=int, default=None, help=f"training window (default {SEQ_LEN})")
+    t.add_argument("--batch-size", type=int, default=None, help="windows per step (default: the recipe's)")
+    t.add_argument("--eval-every", type=int, default=None, help="steps between held-out probes (default 100)")
+    t.add_argument("--eval-windows", type=int, default=None, help="held-out probe windows (default 48)")
+    t.add_argument("--final-windows", type=int, default=None, help="held-out windows of the final eval (default all)")
     t.add_argument("--plot", action="store_true", help="write default_models_loss.png next to the logs")
     r = sub.add_parser("report", help="held-out metrics and samples of the shipped models (CPU)")
     r.add_argument("--data", type=Path, default=REPO / ".train")

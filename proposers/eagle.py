@@ -1,0 +1,161 @@
+"""EAGLE-1 and EAGLE-3 proposers: a one-layer head drafts K tokens from the target's hidden states.
+
+``speculative_config={"method": "eagle" | "eagle3", "model": HEAD_DIR, "num_speculative_tokens": K}``
+(layouts in ``proposers.heads``). Position ``p`` of the head pairs the token at ``p + 1`` with a
+hidden state for position ``p``: the target's (EAGLE-1: its final state; EAGLE-3: ``fc`` over the
+residual streams entering three target layers, tapped during the target's own forward) for every
+position the target computed, the head's own output for the positions it drafts.
+
+Cache. The head's paged KV cache has the target's blocks and is indexed by the target's block
+table, so it is allocated, preempted, freed and prefix-cached with the target's. Every step feeds
+the head every position the target computed in that step (prefill chunks too, hence
+``runs_on_prefill_chunks``) except rejected drafts, with the target's hidden states; that overwrites
+whatever the previous step drafted there, so the cache below the newest token always holds
+target-fed entries, rolled back with the target by construction and with no per-request state.
+One approximation: a prefix-cache hit ending at position ``p`` reuses the head's entry for ``p``,
+which paired ``p``'s hidden state with the token after it *in the request that wrote the block*.
+Where the new request continues with another token (its prompt diverges from the cached one
+exactly at a block boundary) that one entry was built from the other token; the block is shared,
+so it cannot be right for both. Outputs are unaffected (the target verifies every draft); only
+that request's acceptance can dip. (vLLM recomputes the last hit block instead.)
+
+Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
+step feeds one draft at the next position with the previous step's output as its hidden state.
+Drafts are drawn with the request's sampling processing and report their distribution (``draw``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specloop.kernel.config import EngineConfig
+from specloop.models.attention import AttentionMetadata
+from specloop.models.context import ForwardContext
+from specloop.models.loader import resolve_dtype
+
+from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .draw import draw, plain_greedy
+from .heads import Eagle3Head, load_head
+
+
+class EagleProposer(Proposer):
+    """EAGLE-1 (``"eagle"``); :class:`Eagle3Proposer` is EAGLE-3."""
+
+    version = 1
+    needs_hidden_states = True
+    runs_on_prefill_chunks = True
+
+    def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
+        super().__init__(config, context)
+        spec = config.speculative_config
+        if not spec.model:
+            raise ValueError(f"speculative_config.method={spec.method!r} needs 'model' (a local head checkpoint path)")
+        self.device = context.device
+        self.target_dtype = context.dtype
+        self.dtype = resolve_dtype(spec.draft_dtype, context.device) if spec.draft_dtype else context.dtype
+        self.head, self.head_config, layers = load_head(spec.model, self.version, context, self.dtype)
+        # The forward taps each layer once, in layer order; the head's fc reads them in its own order.
+        self.hidden_state_layers = tuple(sorted(set(layers)))
+        self.aux_order = [self.hidden_state_layers.index(i) for i in layers]
+        self.embed_tokens = context.embed_tokens
+        self.target_logits = context.lm_head
+        self.attn_backend = context.attention_backend()
+        self.ops = context.ops
+        self.block_size = context.block_size
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        mc = self.head_config
+        shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+
+    def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        with torch.inference_mode():
+            return self._propose(inputs)
+
+    def _propose(self, inputs: ProposerInputs) -> DraftProposal:
+        n = inputs.num_reqs
+        limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
+        # Feed every row the target computed, less the rejected drafts at the end of each request.
+        qsl = inputs.query_start_loc
+        counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
+        rows = np.concatenate([np.arange(qsl[i], qsl[i] + counts[i]) for i in range(n)])
+        positions = inputs.positions[rows]
+        feed_qsl = np.concatenate([[0], np.cumsum(counts)])
+        next_ids = np.concatenate([inputs.token_ids[i][positions[feed_qsl[i]:feed_qsl[i + 1]] + 1] for i in range(n)])
+        last_pos = positions[feed_qsl[1:] - 1]
+        hidden = self._target_hidden(inputs, torch.as_tensor(rows, device=self.device))
+        out = self._forward(inputs, list(range(n)), next_ids, hidden, positions, feed_qsl.tolist())
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
+        live = [i for i in range(n) if limits[i] > 0]
+        if not live:
+            return DraftProposal(drafts, [None] * n)
+        out = out[torch.as_tensor(feed_qsl[1:][live] - 1, device=self.device)]
+        for step in range(int(limits.max())):
+            if step:
+                keep = [k for k, i in enumerate(live) if limits[i] > step]
+                live = [live[k] for k in keep]
+                ids = np.array([drafts[i][-1] for i in live], dtype=np.int64)
+                out = self._forward(inputs, live, ids, out[torch.as_tensor(keep, device=self.device)],
+                                    last_pos[live] + step, list(range(len(live) + 1)))
+            if plain_greedy(inputs, live):
+                tokens, q = self._argmax(out), None
+            else:
+                tokens, q = draw(inputs, live, self._logits(out), drafts)
+            for k, i in enumerate(live):
+                drafts[i].append(tokens[k])
+                if q is not None:
+                    probs[i].append(q[k])
+        return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if isinstance(head, Eagle3Head) and head.fc is not None:
+            aux = inputs.aux_hidden_states
+            return head.fc(torch.cat([aux[k][rows] for k in self.aux_order], dim=-1).to(self.dtype))
+        return inputs.hidden_states[rows].to(self.dtype)
+
+    def _forward(self, inputs: ProposerInputs, reqs: Sequence[int], token_ids: np.ndarray, hidden: torch.Tensor,
+                 positions: np.ndarray, qsl: list[int]) -> torch.Tensor:
+        """The head over ragged rows: request ``reqs[k]`` owns rows ``qsl[k]:qsl[k + 1]``, at
+        consecutive ``positions`` ending at its context's end. Returns the head's output per row."""
+        bs = self.block_size
+        slots, seq_lens, tables = [], [], []
+        for k, i in enumerate(reqs):
+            blocks = inputs.block_ids[i]
+            pos = positions[qsl[k]:qsl[k + 1]]
+            if int(pos[-1]) >= len(blocks) * bs:
+                raise RuntimeError(f"draft position {int(pos[-1])} of request {inputs.req_ids[i]!r} is past its "
+                                   f"{len(blocks)} KV blocks")
+            slots.extend(blocks[p // bs] * bs + p % bs for p in pos.tolist())
+            seq_lens.append(int(pos[-1]) + 1)
+            tables.append(blocks)
+        dev = self.device
+        meta = AttentionMetadata.build(qsl, seq_lens, slots, tables, dev)
+        ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
+        embeds = self.embed_tokens(torch.as_tensor(token_ids, device=dev)).to(self.dtype)
+        return self.head(embeds, hidden, torch.as_tensor(positions, device=dev), ctx)
+
+    def _argmax(self, out: torch.Tensor) -> list[int]:
+        if isinstance(self.head, Eagle3Head):
+            return self.head.argmax(out, self.ops).tolist()
+        return self.target_logits(out.to(self.target_dtype)).argmax(dim=-1).tolist()
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.head, Eagle3Head):
+            return self.head.logits(out, self.ops)
+        return self.target_logits(out.to(self.target_dtype)).float()
+
+
+class Eagle3Proposer(EagleProposer):
+    """EAGLE-3 (``"eagle3"``): reads the residual streams entering three target layers."""
+
+    version = 3
+

@@ -1,0 +1,88 @@
+"""Every built-in proposer and structured outputs on the ``"gpu"`` runner (Triton kernels, CUDA
+graphs): the shipped default model and its draft and heads in float32, greedy output equal to the
+output without drafts, and JSON-schema output that validates, with and without drafts. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from hf_models import prompts
+
+from specloop import LLM, SamplingParams, StructuredOutputsParams
+from specloop.frontend.model_path import default_model_dir
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 3},
+}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def _llm(spec: dict | None) -> LLM:
+    if spec is not None and spec["method"] not in ("ngram",):
+        name = "specloop-tiny-draft" if spec["method"] == "draft_model" else f"specloop-tiny-{spec['method']}"
+        spec = dict(spec, model=default_model_dir(name))
+    return LLM(device="cuda", dtype="float32", max_model_len=512, speculative_config=spec)
+
+
+def _close(llm: LLM) -> None:
+    llm.core.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+
+
+CODE = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n\ndef main():\n",
+        "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(", "    for key, value in sorted(items.items()):\n",
+        "class Error(Exception):\n    \"\"\"Base class for", "try:\n    import _thread\nexcept ImportError:\n",
+        "def __repr__(self):\n        return", "        if not isinstance(other, self.__class__):\n            return"]
+
+
+@pytest.fixture(scope="module")
+def batch() -> list:
+    # The default model's own kind of text (its heads were trained on it) and random token ids.
+    return CODE + [{"prompt_token_ids": p} for p in prompts(3, seed=11, min_len=16, max_len=120)]
+
+
+@pytest.fixture(scope="module")
+def reference(batch: list) -> list[list[int]]:
+    llm = _llm(None)
+    out = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                              ignore_eos=True), use_tqdm=False)]
+    assert llm.core.runner.parts.executor.num_replays > 0, "the gpu runner did not replay CUDA graphs"
+    _close(llm)
+    return out
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, reference: list[list[int]]) -> None:
+    llm = _llm(SPECS[method])
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                              ignore_eos=True), use_tqdm=False)]
+    metrics = llm.get_metrics()
+    _close(llm)
+    assert metrics["spec_num_accepted_tokens"] > 0, f"{method} never had a draft accepted"
+    for i, (a, b) in enumerate(zip(got, reference)):
+        assert list(a) == list(b), f"{method}: prompt {i} differs from decoding without drafts"
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_json_schema_outputs_validate_on_the_gpu(method: str | None) -> None:
+    llm = _llm(SPECS[method] if method else None)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=96,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
+              for t, s in ((0.0, 0), (0.8, 1), (1.0, 2), (0.8, 3))]
+    outs = llm.generate(["The pet record:", "JSON please", "def f(x):", "{"], params, use_tqdm=False)
+    _close(llm)
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
