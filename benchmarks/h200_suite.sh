@@ -50,8 +50,9 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 \
-             tests/test_gpu_backend.py tests/test_rejection_sampler.py ;;
+    tests) stage gpu_tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rfE \
+             --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py tests/test_gpu_speculation.py \
+             tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
              --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ;;
     decode) stage decode_latency "${T_DECODE:-120}" python3 benchmarks/decode_latency.py --out "$RES" \
@@ -71,9 +72,9 @@ for s in $stages; do
              --engine-args "--skip-tokenizer-init --dtype bfloat16" ;;
     spec)  # speculative decoding on the default models (greedy, held-out prompts), fixed and adaptive K
       stage spec_default "${T_SPEC:-300}" python3 benchmarks/spec_decode.py --out "$RES/spec" --device cuda \
-             --batch-sizes 1,32 --ks 1,3 --methods "${SPEC_METHODS:-ngram,draft_model}" --repeat 2
+             --batch-sizes 1,32 --ks "${SPEC_KS:-1,3}" --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --repeat 2
       stage spec_adaptive "${T_SPEC_ADAPTIVE:-200}" python3 benchmarks/spec_decode.py --out "$RES/spec_adaptive" \
-             --device cuda --batch-sizes 1,32 --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model}" --policy adaptive \
+             --device cuda --batch-sizes 1,32 --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --policy adaptive \
              --repeat 2 ;;
     spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram and a one-layer (EAGLE-cost) draft
       stage spec_controlled_8b "${T_SPEC8B:-330}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \

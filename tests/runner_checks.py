@@ -29,6 +29,10 @@ BF16_TIE = 0.02
 
 
 def make_runner(path: str, name: str, device: str, dtype: str, **config: Any) -> Any:
+    """A runner driven step by step by ``Plans``, which commits each step's tokens before planning
+    the next: synchronous scheduling unless asked otherwise (asynchronous scheduling is checked
+    through the engine, in ``check_async_scheduling_matches_sync``)."""
+    config.setdefault("async_scheduling", False)
     cfg = EngineConfig(model=path, device=device, dtype=dtype, block_size=4, num_kv_blocks=64, max_num_seqs=8,
                        max_num_batched_tokens=256, **config)
     plugins = PluginManager(load_entrypoints=False)
