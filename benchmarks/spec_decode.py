@@ -58,22 +58,32 @@ from common import ROOT, base_args, build_checkpoint, environment, report, save 
 
 
 def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
-    """``n`` windows of ``length`` tokens from held-out standard-library modules."""
+    """``n`` windows of ``length`` tokens from held-out standard-library modules: one window per
+    module while there are modules long enough, then further windows of the same modules (a
+    Python installation may ship fewer of them)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from train_default_models import is_heldout, stdlib_dir
 
     root = stdlib_dir()
     files = sorted(p for p in root.rglob("*.py") if is_heldout(str(p.relative_to(root))))
     rng = np.random.default_rng(seed)
+    texts: list[list[int]] = []
     prompts: list[list[int]] = []
     for i in rng.permutation(len(files)):
+        if len(prompts) == n:
+            return prompts
         ids = tokenizer.encode(files[i].read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
         if len(ids) > length:
             start = int(rng.integers(0, len(ids) - length))
             prompts.append(ids[start:start + length])
-        if len(prompts) == n:
-            return prompts
-    raise SystemExit(f"only {len(prompts)} held-out modules have {length} tokens")
+            texts.append(ids)
+    if not texts:
+        raise SystemExit(f"no held-out module has {length} tokens")
+    while len(prompts) < n:
+        ids = texts[len(prompts) % len(texts)]
+        start = int(rng.integers(0, len(ids) - length))
+        prompts.append(ids[start:start + length])
+    return prompts
 
 
 def num_prompts(args: argparse.Namespace, batch_size: int) -> int:
