@@ -1,8 +1,9 @@
 """How many KV blocks an engine gets.
 
 ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes; else on CUDA what
-``gpu_memory_utilization`` of the device leaves after everything else this process and others
-hold (weights, a draft model, persistent buffers) and the peak of a profiled largest step; else a
+``gpu_memory_utilization`` of the device leaves after this engine's own memory (weights, a draft
+model, persistent buffers and the peak of a profiled largest step, counted from what the process
+held before the engine was built) and what other processes hold, and never more than is free; else a
 CPU default of 512 MiB, capped at what ``max_num_seqs`` full-length sequences need. One block's
 bytes count the target's layers plus those of a proposer that keeps its own cache, so a draft
 model's KV comes out of the same budget.
@@ -19,15 +20,21 @@ from specloop.kernel.config import EngineConfig
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
+def allocated(device: torch.device) -> int:
+    """Bytes this process's allocator holds on ``device`` now (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, block_size: int,
-                  profile: Callable[[], None]) -> int:
-    """``profile()`` runs the largest step once (CUDA only)."""
+                  profile: Callable[[], None], baseline: int = 0) -> int:
+    """``profile()`` runs the largest step once (CUDA only); ``baseline``: :func:`allocated` before
+    the engine loaded anything (an earlier engine in the same process is not this one's)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if config.kv_cache_memory:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
-        budget = _cuda_budget(config, device, profile)
+        budget = _cuda_budget(config, device, profile, baseline)
     else:
         blocks_per_seq = -(-(config.max_model_len or 2048) // block_size)
         budget = min(CPU_KV_CACHE_BYTES, bytes_per_block * (config.max_num_seqs * blocks_per_seq + 1))
@@ -38,7 +45,7 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
     return blocks
 
 
-def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[], None]) -> int:
+def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[], None], baseline: int) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     profile()
@@ -46,5 +53,7 @@ def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[
     free, total = torch.cuda.mem_get_info(device)
     # Memory this process's allocator does not own belongs to other processes or the CUDA context.
     others = total - free - torch.cuda.memory_reserved(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    return int(total * config.gpu_memory_utilization - others - peak)
+    own_peak = torch.cuda.max_memory_allocated(device) - baseline
+    # Free now, plus what the allocator caches without using, minus the profile's transient peak.
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    return int(min(total * config.gpu_memory_utilization - others - own_peak, available))

@@ -139,6 +139,8 @@ class ModelRunner:
         self.platform = platform
         self.tp = tp  # this runner's rank of a tensor-parallel group (backends.distributed), or the only one
         self.device = resolve_device(config.device)
+        # What this process held before this engine: another engine of the same process is not ours.
+        self.memory_baseline = kv_memory.allocated(self.device)
         self.model, self.model_config = load_model(config.model, plugins.models, self.device, config.dtype, tp)
         self.dtype: torch.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model_config.vocab_size
@@ -205,7 +207,7 @@ class ModelRunner:
 
         # Every rank's cache holds the same blocks: the scheduler on rank 0 hands out block ids for all.
         num_blocks = self.tp.agree_min(kv_memory.num_kv_blocks(c, self.device, self.kv_bytes_per_block(),
-                                                               self.block_size, profile))
+                                                               self.block_size, profile, self.memory_baseline))
         mc = self.model_config
         shape = mc.kv_cache_shape(self.attn_backend, num_blocks, self.block_size)
         executor.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
