@@ -32,6 +32,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import git_commit  # noqa: E402
+
 
 @dataclass
 class Result:
@@ -41,15 +44,6 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
-
-
-def git_commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_name(device: str) -> str:
