@@ -1,17 +1,26 @@
 """The runner's side of speculative decoding: after sampling, hand the requests that sampled (and,
 to a proposer with ``runs_on_prefill_chunks``, those that computed a prefill chunk) to the proposer
 (``specloop.proposers``) with what it declared it needs, keep its drafts for
-``take_draft_token_ids`` and the probabilities they were drawn from for the next verification."""
+``take_draft_token_ids`` and the probabilities they were drawn from for the next verification.
+
+With ``pad_drafts`` (set when the executor replays CUDA graphs of uniform batches), every request
+that sampled gets as many drafts as the longest in the batch, where its length limits allow: a
+request with fewer repeats its last draft (or its newest token). A padded draft is a deterministic
+proposal like any other, so verification stays exact (greedy output is unchanged; sampled output
+still follows the target); it costs a few more verified tokens and turns a ragged decode batch,
+which would run eagerly, into one a graph replays. Padded drafts count as drafts in the metrics.
+"""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
 
-import time
-
+from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
-from specloop.proposers.base import DraftProposal, Proposer, ProposerInputs
+from specloop.proposers.base import DraftProposal, Proposer, ProposerInputs, draft_limits
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
@@ -19,9 +28,11 @@ from .requests import CachedRequestState
 
 
 class DraftingStage:
-    def __init__(self, proposer: Proposer, policy: SpeculationPolicy) -> None:
+    def __init__(self, proposer: Proposer, policy: SpeculationPolicy, config: EngineConfig) -> None:
         self.proposer = proposer
         self.policy = policy
+        self.config = config
+        self.pad_drafts = False
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
 
@@ -78,13 +89,39 @@ class DraftingStage:
         if self.proposer.needs_hidden_states:
             _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx)
         proposal: DraftProposal = self.proposer.propose(inputs)
+        drafts = [list(map(int, d)) for d in proposal.draft_token_ids]
+        probs = list(proposal.draft_probs) if proposal.draft_probs else [None] * len(drafts)
+        if self.pad_drafts:
+            self._pad(inputs, drafts, probs)
         # A request in the middle of its prompt takes no drafts, whatever a proposer returns for it.
-        keep = [(k, d) for k, d in enumerate(proposal.draft_token_ids) if len(d) and inputs.num_sampled[k]]
-        for k, _ in keep:
-            self.draft_probs[inputs.req_ids[k]] = proposal.draft_probs[k] if proposal.draft_probs else None
+        keep = [k for k, d in enumerate(drafts) if d and inputs.num_sampled[k]]
+        for k in keep:
+            self.draft_probs[inputs.req_ids[k]] = probs[k]
         if not keep:
             return None
-        return DraftTokenIds([inputs.req_ids[k] for k, _ in keep], [list(map(int, d)) for _, d in keep])
+        return DraftTokenIds([inputs.req_ids[k] for k in keep], [drafts[k] for k in keep])
+
+    def _pad(self, inputs: ProposerInputs, drafts: list[list[int]], probs: list[torch.Tensor | None]) -> None:
+        """Pad every sampling request's drafts towards the longest (module docstring), in place."""
+        sampling = [k for k in range(len(drafts)) if inputs.num_sampled[k]]
+        longest = max((len(drafts[k]) for k in sampling), default=0)
+        if not longest or all(len(drafts[k]) == longest for k in sampling):
+            return
+        # The hard limits only (model length, max_tokens): a uniform batch is worth more than the
+        # policy's ragged choice when a graph replays it.
+        saved, inputs.max_drafts = inputs.max_drafts, None
+        room = draft_limits(self.config, inputs, self.proposer.num_speculative_tokens)
+        inputs.max_drafts = saved
+        for k in sampling:
+            missing = min(longest, int(room[k])) - len(drafts[k])
+            if missing <= 0:
+                continue
+            fill = drafts[k][-1] if drafts[k] else int(inputs.token_ids[k][-1])
+            drafts[k].extend([fill] * missing)
+            if probs[k] is not None:
+                one_hot = torch.zeros(missing, probs[k].shape[-1], dtype=probs[k].dtype, device=probs[k].device)
+                one_hot[:, fill] = 1.0
+                probs[k] = torch.cat([probs[k][:len(drafts[k]) - missing], one_hot])
 
 
 def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],

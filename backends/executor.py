@@ -39,6 +39,8 @@ class ForwardOutput:
 
 
 class EagerExecutor:
+    replays_uniform_batches = False
+
     def __init__(self, model: nn.Module, ops: Ops, attn_backend: AttentionBackend,
                  aux_layers: Sequence[int] = ()) -> None:
         self.model = model

@@ -51,6 +51,9 @@ class BatchBuilder(Protocol):
 
 class Executor(Protocol):
     kv_caches: list[torch.Tensor]
+    # Whether uniform batches (every request computing the same number of tokens) run faster,
+    # replayed from CUDA graphs: the drafting stage then pads drafts to make them uniform.
+    replays_uniform_batches: bool
 
     def graph_for(self, plan: SchedulerOutput) -> GraphKey | None: ...
 
@@ -193,8 +196,10 @@ class ModelRunner:
             # A proposer with a cache over the target's hidden states needs a prefix hit's last block recomputed.
             spec.reads_target_hidden_states = proposer.runs_on_prefill_chunks
             policy = self.plugins.speculation_policies.create(spec.policy, config=self.config)
-            self.drafter = DraftingStage(proposer, policy)
+            self.drafter = DraftingStage(proposer, policy, self.config)
         self.parts = self.platform.parts(self)
+        if self.drafter is not None:
+            self.drafter.pad_drafts = getattr(self.parts.executor, "replays_uniform_batches", False)
         executor = self.parts.executor
         c = self.config
         n = int(min(c.max_num_batched_tokens or 8192, c.max_model_len or 8192))

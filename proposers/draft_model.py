@@ -11,11 +11,17 @@ accepts ``a`` drafts, the request has ``L' = L + a + 1`` tokens and the draft KV
 ``min(L + k - 1, L' - 1)``: accepted drafts were fed exactly as they were committed, the first
 rejected one was not. The next proposal feeds everything from there (the newest tokens, or a whole
 prompt after admission), then one token per further draft. Rejected slots are simply overwritten.
+
+On CUDA with the Triton attention backend, the steps after the first (one token per request) replay
+CUDA graphs (``proposers.step_graphs``) when every drafting request is plain greedy: each step's
+argmax feeds the next on the device and the host reads the drafts once, at the end.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
+
+import numpy as np
 
 import torch
 
@@ -26,7 +32,8 @@ from specloop.models.loader import load_model
 from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
-from .draw import draw
+from .draw import draw, plain_greedy
+from .step_graphs import StepGraphs, graphs_wanted
 
 
 class DraftModelProposer(Proposer):
@@ -60,6 +67,18 @@ class DraftModelProposer(Proposer):
         mc = self.model_config
         shape = mc.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.graphs = None
+        if graphs_wanted(self.config, self.device, self.attn_backend):
+            c = self.config
+            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs,
+                                     (c.max_model_len or 2048) + self.num_speculative_tokens + 1, self.block_size)
+            self.graphs.capture()
+
+    def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor]:
+        """One token per request: the argmax of the draft model's next-token logits."""
+        hidden, _ = self.model(token_ids, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops))
+        return (self.model.compute_logits(hidden).argmax(dim=-1),)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -79,6 +98,11 @@ class DraftModelProposer(Proposer):
             rid = inputs.req_ids[i]
             valid = min(self.num_written.get(rid, 0), lengths[i] - 1)
             feed[i] = (valid, inputs.token_ids[i][valid:].tolist())
+        if self.graphs is not None and self.graphs.fits(len(active)) and plain_greedy(inputs, active):
+            self._propose_greedy_graphs(inputs, active, limits, lengths, feed, drafts)
+            for i in active:
+                self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
+            return DraftProposal(drafts, [None] * inputs.num_reqs)
         for step in range(int(limits.max())):
             live = [i for i in active if limits[i] > step]
             last_hidden = self._forward(inputs, live, feed)
@@ -94,6 +118,28 @@ class DraftModelProposer(Proposer):
             self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits, lengths: dict[int, int],
+                               feed: dict[int, tuple[int, list[int]]], drafts: list[list[int]]) -> None:
+        """Greedy drafts with steps 1.. replayed from graphs; one device-to-host read at the end."""
+        with torch.inference_mode():
+            tokens = self._logits(self._forward(inputs, active, feed)).argmax(dim=-1)
+            steps = [(active, tokens)]
+            live = active
+            for step in range(1, int(limits.max())):
+                keep = [k for k, i in enumerate(live) if limits[i] > step]
+                if len(keep) < len(live):
+                    tokens = tokens[torch.as_tensor(keep, device=self.device)]
+                    live = [live[k] for k in keep]
+                positions = np.array([lengths[i] + step - 1 for i in live], dtype=np.int64)
+                tokens = self.graphs.run(tokens, positions, [inputs.block_ids[i] for i in live])[0].clone()
+                steps.append((live, tokens))
+            values = torch.cat([t for _, t in steps]).tolist()
+        first = 0
+        for live, t in steps:
+            for k, i in enumerate(live):
+                drafts[i].append(values[first + k])
+            first += len(live)
 
     def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]
                  ) -> torch.Tensor:

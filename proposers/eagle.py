@@ -22,6 +22,9 @@ that request's acceptance can dip. (vLLM recomputes the last hit block instead.)
 Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
 step feeds one draft at the next position with the previous step's output as its hidden state.
 Drafts are drawn with the request's sampling processing and report their distribution (``draw``).
+On CUDA with the Triton attention backend, the steps after the first replay CUDA graphs
+(``proposers.step_graphs``) when every drafting request is plain greedy: each step's output and
+argmax feed the next on the device, and the host reads the drafts once, at the end.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
+from .step_graphs import StepGraphs, graphs_wanted
 
 
 class EagleProposer(Proposer):
@@ -74,6 +78,21 @@ class EagleProposer(Proposer):
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.graphs = None
+        if graphs_wanted(self.config, self.device, self.attn_backend):
+            c = self.config
+            hidden = ((self.head_config.hidden_size,), self.dtype)
+            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs,
+                                     (c.max_model_len or 2048) + self.num_speculative_tokens + 1, self.block_size,
+                                     extra=[hidden])
+            self.graphs.capture()
+
+    def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request fed with the previous step's output: the head's output and its argmax."""
+        embeds = self.embed_tokens(token_ids).to(self.dtype)
+        out = self.head(embeds, hidden, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops))
+        return out, self._argmax(out)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
@@ -98,6 +117,9 @@ class EagleProposer(Proposer):
         if not live:
             return DraftProposal(drafts, [None] * n)
         out = out[torch.as_tensor(feed_qsl[1:][live] - 1, device=self.device)]
+        if self.graphs is not None and self.graphs.fits(len(live)) and plain_greedy(inputs, live):
+            self._draft_greedy_graphs(inputs, live, limits, last_pos, out, drafts)
+            return DraftProposal(drafts, [None] * n)
         for step in range(int(limits.max())):
             if step:
                 keep = [k for k, i in enumerate(live) if limits[i] > step]
@@ -106,7 +128,7 @@ class EagleProposer(Proposer):
                 out = self._forward(inputs, live, ids, out[torch.as_tensor(keep, device=self.device)],
                                     last_pos[live] + step, list(range(len(live) + 1)))
             if plain_greedy(inputs, live):
-                tokens, q = self._argmax(out), None
+                tokens, q = self._argmax(out).tolist(), None
             else:
                 tokens, q = draw(inputs, live, self._logits(out), drafts)
             for k, i in enumerate(live):
@@ -114,6 +136,26 @@ class EagleProposer(Proposer):
                 if q is not None:
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _draft_greedy_graphs(self, inputs: ProposerInputs, live: list[int], limits: np.ndarray,
+                             last_pos: np.ndarray, out: torch.Tensor, drafts: list[list[int]]) -> None:
+        """Greedy drafts with steps 1.. replayed from graphs; one device-to-host read at the end."""
+        tokens = self._argmax(out)
+        steps = [(live, tokens)]
+        for step in range(1, int(limits.max())):
+            keep = [k for k, i in enumerate(live) if limits[i] > step]
+            if len(keep) < len(live):
+                index = torch.as_tensor(keep, device=self.device)
+                tokens, out, live = tokens[index], out[index], [live[k] for k in keep]
+            out, tokens = self.graphs.run(tokens, last_pos[live] + step, [inputs.block_ids[i] for i in live], out)
+            out, tokens = out.clone(), tokens.clone()
+            steps.append((live, tokens))
+        values = torch.cat([t for _, t in steps]).tolist()
+        first = 0
+        for rows, _ in steps:
+            for k, i in enumerate(rows):
+                drafts[i].append(values[first + k])
+            first += len(rows)
 
     def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -143,10 +185,11 @@ class EagleProposer(Proposer):
         embeds = self.embed_tokens(torch.as_tensor(token_ids, device=dev)).to(self.dtype)
         return self.head(embeds, hidden, torch.as_tensor(positions, device=dev), ctx)
 
-    def _argmax(self, out: torch.Tensor) -> list[int]:
+    def _argmax(self, out: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary ids of the head's greedy next tokens."""
         if isinstance(self.head, Eagle3Head):
-            return self.head.argmax(out, self.ops).tolist()
-        return self.target_logits(out.to(self.target_dtype)).argmax(dim=-1).tolist()
+            return self.head.argmax(out, self.ops)
+        return self.target_logits(out.to(self.target_dtype)).argmax(dim=-1)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if isinstance(self.head, Eagle3Head):

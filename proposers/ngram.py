@@ -12,7 +12,6 @@ same continuation.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specloop.kernel.config import EngineConfig
 
@@ -25,17 +24,26 @@ def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: in
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     max_n = min(max_n, length - 1)
-    if k <= 0 or max_n < min_n:
+    if k <= 0 or max_n < min_n or min_n < 1:
         return tokens[:0]
-    # Row i compares the max_n tokens ending at i (i < length - 1) with the suffix, newest first:
-    # eq[i, m] = tokens[i - m] == tokens[length - 1 - m]; -1 pads never match a token id.
-    padded = np.concatenate([np.full(max_n - 1, -1, dtype=np.int64), tokens[:-1]])
-    eq = sliding_window_view(padded, max_n)[:, ::-1] == tokens[::-1][:max_n]
-    match_len = np.cumprod(eq, axis=1).sum(axis=1)
+    # Candidate ends: earlier occurrences of the newest token. Extend each match backwards one
+    # token at a time while it still agrees with the suffix (a handful of vector steps).
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if ends.size == 0:
+        return tokens[:0]
+    match_len = np.ones(ends.size, dtype=np.int64)
+    extending = np.ones(ends.size, dtype=bool)
+    for m in range(1, max_n):
+        before = ends - m
+        extending &= before >= 0
+        extending &= tokens[np.maximum(before, 0)] == tokens[length - 1 - m]
+        if not extending.any():
+            break
+        match_len += extending
     best = int(match_len.max())
     if best < min_n:
         return tokens[:0]
-    end = int(np.argmax(match_len == best))  # first (earliest) end of a longest match
+    end = int(ends[np.argmax(match_len == best)])  # the earliest end of a longest match
     return tokens[end + 1:end + 1 + k]
 
 

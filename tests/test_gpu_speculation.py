@@ -70,10 +70,31 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
     got = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
                                                                               ignore_eos=True), use_tqdm=False)]
     metrics = llm.get_metrics()
+    runner = llm.core.runner
+    verify_replays = runner.parts.executor.num_replays
+    graphs = getattr(runner.drafter.proposer, "graphs", None)
+    draft_replays = graphs.num_replays if graphs is not None else None
     _close(llm)
     assert metrics["spec_num_accepted_tokens"] > 0, f"{method} never had a draft accepted"
     for i, (a, b) in enumerate(zip(got, reference)):
         assert list(a) == list(b), f"{method}: prompt {i} differs from decoding without drafts"
+    assert verify_replays > 0, f"{method}: no verification step replayed a CUDA graph"
+    if method in ("draft_model", "eagle", "eagle3"):
+        assert draft_replays, f"{method}: no drafting step replayed a CUDA graph"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_sampled_drafting_runs_on_the_gpu(method: str, batch: list) -> None:
+    """Seeded sampling with drafts (the eager drafting path and the reference verification) gives
+    the same tokens twice, and every request its full length."""
+    outs = []
+    for _ in range(2):
+        llm = _llm(SPECS[method])
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
+        _close(llm)
+    assert outs[0] == outs[1]
+    assert all(len(t) == 32 for t in outs[0])
 
 
 @pytest.mark.parametrize("method", [None, "ngram"])

@@ -323,3 +323,44 @@ def test_cuda_kernel_matches_reference() -> None:
         assert (final != ref_final).float().mean() <= 1e-3
         again, _ = rejection_sample(**args)
         assert torch.equal(out, again)
+
+
+def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
+    """The GPU stage's greedy verification (argmax rows, one copy, drafts compared on the host)
+    emits what the rejection sampler emits, for every acceptance pattern, with requests that
+    sample nothing (partial prefills) and requests without drafts in the same batch."""
+    from types import SimpleNamespace
+
+    from specloop.backends.gpu.fast_sampling import FastSamplingStage
+    from specloop.backends.sampling_stage import SamplingStage
+
+    torch.manual_seed(0)
+    vocab, greedy = 50, SamplingParams(temperature=0.0)
+    stage = FastSamplingStage(SamplingStage(torch.nn.Identity(), vocab, torch.device("cpu")),
+                              SimpleNamespace(device=torch.device("cpu")), 64)
+    for trial in range(40):
+        counts, specs, rows = [], [], []
+        for _ in range(5):
+            kind = trial % 3 if not rows else int(torch.randint(0, 3, ()).item())
+            n = int(torch.randint(1, 5, ()).item())
+            logits = torch.randn(n, vocab)
+            if kind == 0:  # partial prefill chunk: samples nothing
+                counts.append(0)
+                specs.append([])
+                continue
+            top = logits.argmax(-1).tolist()
+            drafts = [t if torch.rand(()) < 0.7 else (t + 1) % vocab for t in top[:n - 1]]
+            counts.append(n)
+            specs.append(drafts)
+            rows.append(logits)
+        logits = torch.cat(rows) if rows else torch.empty(0, vocab)
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        batch = SimpleNamespace(precomputed_logits=logits, logits_indices=torch.arange(logits.shape[0]),
+                                num_tokens=logits.shape[0], sample_rows=list(zip(firsts, counts)),
+                                spec_token_ids=specs)
+        fast = stage._verify_greedy(batch, logits).sampled
+        meta = sampling.SamplingMetadata.build(
+            [sampling.SamplingRow(greedy, 0, 10 + j, [1], [], []) for n in counts for j in range(n)], vocab,
+            torch.device("cpu"))
+        want = RejectionSampler("torch")(logits=logits, metadata=meta, spec_token_ids=specs, num_rows=counts)
+        assert fast == want

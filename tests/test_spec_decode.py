@@ -301,3 +301,54 @@ def test_metrics_plugin_logs_acceptance(target, caplog: pytest.LogCaptureFixture
     # No plugin instance for an engine without speculation.
     _, plain = run(target.path, prompt_set()[:1], GREEDY)
     assert get_spec_metrics(plain.core) is None
+
+
+def test_padded_drafts_keep_greedy_identical(target, reference) -> None:
+    """With draft padding on (the GPU runner turns it on for its CUDA graphs of uniform batches),
+    greedy output is unchanged through chunking, prefix hits and preemption. (n-gram drafts are
+    ragged by nature; a draft model's always number K unless a limit cuts them.)"""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(target.path, skip_tokenizer_init=True, speculative_config=spec, **{**ROOMY, **STRESSED})
+    drafter = llm.core.runner.drafter
+    drafter.pad_drafts = True
+    padded = []
+    pad = drafter._pad
+
+    def counting(inputs, drafts, probs):
+        before = sum(map(len, drafts))
+        pad(inputs, drafts, probs)
+        padded.append(sum(map(len, drafts)) - before)
+
+    drafter._pad = counting
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_set()], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert sum(padded) > 0, "no step had drafts to pad"
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def test_draft_padding_respects_limits_and_probabilities() -> None:
+    """Padding repeats the last draft (or the newest token), never passes a request's max_tokens,
+    skips requests that sampled nothing, and gives padded positions one-hot probabilities."""
+    import numpy as np
+
+    from specloop.backends.drafting import DraftingStage
+    from specloop.proposers.policy import FixedPolicy
+
+    config = EngineConfig(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    proposer = type("P", (), {"num_speculative_tokens": 3})()
+    stage = DraftingStage(proposer, FixedPolicy(config), config)
+    params = [SamplingParams(max_tokens=100), SamplingParams(max_tokens=100), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=100)]
+    inputs = ProposerInputs(req_ids=["a", "b", "c", "d"],
+                            token_ids=[np.arange(10), np.arange(20, 25), np.arange(30, 35), np.arange(40, 44)],
+                            num_prompt_tokens=np.array([4, 3, 0, 4]), num_sampled=np.array([1, 2, 1, 0]),
+                            num_rejected=np.zeros(4, dtype=np.int64), sampling_params=params,
+                            seeds=np.zeros(4, dtype=np.int64), max_drafts=np.array([3, 0, 3, 3]))
+    q = torch.softmax(torch.randn(1, 16), -1)
+    drafts, probs = [[7, 8, 9], [5], [], []], [None, q, None, None]
+    stage._pad(inputs, drafts, probs)
+    # b: padded past the policy's 0 with its last draft; c: 5 output tokens of 7, room for one more
+    # step of 2 tokens (1 draft), padded with its newest token; d sampled nothing.
+    assert drafts == [[7, 8, 9], [5, 5, 5], [34], []]
+    assert probs[1].shape == (3, 16) and torch.equal(probs[1][0], q[0])
+    assert torch.equal(probs[1][1:], torch.nn.functional.one_hot(torch.tensor([5, 5]), 16).float())

@@ -1,11 +1,17 @@
-"""The GPU runner's sampling stage: a fast path for plain batches around the reference stage.
+"""The GPU runner's sampling stage: fast paths for plain batches around the reference stage.
 
 A batch is *plain* when it verifies no drafts and every request samples with temperature, min-p and
 a seed only (no penalties, bias, top-k/top-p, logprobs). Then the parameters are gathered on the
 device from the persistent batch's slots, one Gumbel-max kernel draws every row with the reference
 sampler's noise, the tokens are written straight back into the device token rows (the next step
-reads them there), and one small copy brings them to the host. Everything else goes to the
-reference stage, with the Gumbel-max kernel for its draws.
+reads them there), and one small copy brings them to the host.
+
+A batch that verifies drafts with every request plain and greedy takes the argmax of every sampled
+row on the device and one copy of those ids to the host, where each request keeps its drafts up to
+the first that differs from the target's token, plus that token: what the rejection sampler does
+for greedy rows, without its per-row metadata and kernel launches.
+
+Everything else goes to the reference stage, with the Gumbel-max kernel for its draws.
 """
 
 from __future__ import annotations
@@ -41,15 +47,46 @@ class FastSamplingStage:
         plain = self.batch.plain
         return not any(batch.spec_token_ids) and all(plain[rid] for rid in batch.req_ids)
 
+    def _greedy_verification(self, batch: InputBatch, requests: dict[str, CachedRequestState]) -> bool:
+        plain = self.batch.plain
+        return (any(batch.spec_token_ids)
+                and all(plain[rid] and requests[rid].sampling_params.greedy for rid in batch.req_ids))
+
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
                grammar: GrammarBitmask | None = None) -> SampleResult:
+        if grammar is None and self._greedy_verification(batch, requests):
+            return self._verify_greedy(batch, hidden_states)
         if grammar is not None or not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         result = self._sample_plain(batch, hidden_states, requests)
         if not defer:
             result.sampled, result.wait = result.wait(), None
         return result
+
+    def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor) -> SampleResult:
+        """Drafts against the target's argmax; see the module docstring."""
+        num_rows = batch.logits_indices.shape[0]
+        with torch.inference_mode():
+            top = self.reference.logits(batch, hidden_states).argmax(dim=-1)
+            host = self._next_host_buffer(num_rows)
+            host.copy_(top, non_blocking=True)
+            if top.is_cuda:
+                torch.cuda.current_stream(top.device).synchronize()
+        values = host.tolist()
+        sampled: list[list[int]] = []
+        for (first, count), drafts in zip(batch.sample_rows, batch.spec_token_ids):
+            target = values[first:first + count]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                accepted += 1
+            sampled.append(target[:accepted + 1] if count else [])
+        return SampleResult(sampled, None, {})
+
+    def _next_host_buffer(self, num_rows: int) -> torch.Tensor:
+        host = self._host[self._turn][:num_rows]
+        self._turn = (self._turn + 1) % self.NUM_HOST_BUFFERS
+        return host
 
     def _sample_plain(self, batch: InputBatch, hidden_states: torch.Tensor,
                       requests: dict[str, CachedRequestState]) -> SampleResult:
@@ -69,8 +106,7 @@ class FastSamplingStage:
                                    pb.seq_lens.index_select(0, rows).long(),
                                    min_p=pb.min_p.index_select(0, slots) if any_min_p else None)
             pb.write_sampled(tokens)
-            host = self._host[self._turn][:num_rows]
-            self._turn = (self._turn + 1) % self.NUM_HOST_BUFFERS
+            host = self._next_host_buffer(num_rows)
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event() if tokens.is_cuda else None
             if copied is not None:

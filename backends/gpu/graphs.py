@@ -1,11 +1,14 @@
 """CUDA graphs of the forward for uniform batches ("full graphs").
 
 A batch is *uniform* when every request computes the same number ``q`` of tokens: ``q = 1`` for
-plain decode, ``q = K + 1`` for verifying K drafts. One graph per (q, padded request count) is
-captured at start-up, largest first, sharing one memory pool; it reads the persistent batch's step
-tensors (fixed addresses) and writes the final hidden states, plus the logits of every row when
-``q = 1``. A live batch of ``B`` requests replays the smallest graph of at least ``B`` requests;
-the rows past ``B`` are padding that owns no tokens and writes no KV. Anything else runs eagerly.
+plain decode, ``q = k + 1`` for verifying k drafts (every k up to K: a proposer may find fewer, a
+speculation policy may ask for fewer, and the drafting stage pads a batch's drafts to its longest,
+so a decode batch with drafts is uniform). One graph per (q, padded request count) is captured at
+start-up, largest first, sharing one memory pool; it reads the persistent batch's step tensors
+(fixed addresses) and writes the final hidden states (and the residual streams of the layers a
+proposer taps), plus the logits of every row when ``q = 1``. A live batch of ``B`` requests replays
+the smallest graph of at least ``B`` requests; the rows past ``B`` are padding that owns no tokens
+and writes no KV. Anything else runs eagerly.
 
 Replay removes the per-kernel launch cost (~300 launches for a 28-layer model), which dominates
 small decode batches; it does not reduce FLOPs or bytes moved.
@@ -38,6 +41,8 @@ def capture_sizes(max_reqs: int) -> list[int]:
 class GraphExecutor:
     """The eager executor plus captured graphs, keyed by (q, padded request count)."""
 
+    replays_uniform_batches = True
+
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
                  vocab_size: int, choose_splits: Callable[[int, int], int]) -> None:
         self.eager = eager
@@ -48,6 +53,7 @@ class GraphExecutor:
         self.max_tokens = min(batch.max_tokens, max(self.sizes) * max(q_lens))
         dtype = next(eager.model.parameters()).dtype
         self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
+        self.aux = [torch.zeros_like(self.hidden) for _ in eager.aux_layers]
         self.logits = torch.zeros(max(self.sizes), vocab_size, dtype=torch.float32, device=batch.device) \
             if 1 in q_lens else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -110,8 +116,10 @@ class GraphExecutor:
         model = eager.model
 
         def run() -> None:
-            hidden, _ = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx)
+            hidden, aux = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx, aux_layers=eager.aux_layers)
             self.hidden[:tokens].copy_(hidden)
+            for buffer, tapped in zip(self.aux, aux):
+                buffer[:tokens].copy_(tapped)
             if q == 1 and self.logits is not None:
                 self.logits[:tokens].copy_(model.compute_logits(hidden))
         return run
@@ -138,4 +146,4 @@ class GraphExecutor:
         self.num_replays += 1
         n = batch.num_tokens
         logits = self.logits[:n] if key.q == 1 and self.logits is not None else None
-        return ForwardOutput(self.hidden[:n], [], logits)
+        return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits)

@@ -3,11 +3,12 @@
 * fused Triton ops (``models.ops.TritonOps``) in the model's forward, and the ``"triton"``
   attention backend (its decode tile timed at start-up);
 * a device-resident persistent batch instead of host-built inputs;
-* CUDA graphs of uniform decode / verification steps around the eager executor;
+* CUDA graphs of uniform decode / verification steps (every draft count up to K) around the eager
+  executor;
 * a fast sampling path for plain batches around the reference sampling stage.
 
 Options (``config.plugin_options["gpu"]``): ``fused`` (default on) and ``cuda_graphs`` (default on
-unless ``enforce_eager``; CUDA only, and only with the fused ops and no hidden-state taps).
+unless ``enforce_eager``; CUDA only, and only with the fused ops).
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class GpuPlatform:
         batch = PersistentBatch(c.max_num_seqs, max_len, runner.block_size, max_tokens, runner.device)
         eager = EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers)
         executor: EagerExecutor | GraphExecutor = eager
-        if (self.cuda_graphs and self.fused and runner.device.type == "cuda" and not runner.aux_layers
+        if (self.cuda_graphs and self.fused and runner.device.type == "cuda"
                 and isinstance(runner.attn_backend, TritonAttentionBackend)):
             mc, backend = runner.model_config, runner.attn_backend
-            executor = GraphExecutor(eager, batch, [1] + ([k + 1] if k else []), mc.hidden_size, runner.vocab_size,
+            executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc))
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens))
