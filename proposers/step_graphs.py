@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -39,7 +40,9 @@ def graph_sizes(max_reqs: int) -> list[int]:
 class StepGraphs:
     def __init__(self, fn: StepFn, device: torch.device, max_reqs: int, max_len: int, block_size: int,
                  extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
-        self.fn = fn
+        # The proposer owns these graphs and ``fn`` is its method: a weak reference, so that the
+        # proposer (and the device memory it holds) goes away with its engine, not at a later gc.
+        self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
         self.device = device
         self.block_size = block_size
         self.max_len = max_len
@@ -73,10 +76,11 @@ class StepGraphs:
             args = (self.token_ids[:size], self._packed[0, :size], *(e[:size] for e in self.extra))
             with torch.inference_mode():
                 self._fill_padding(0, size)
-                self.fn(meta, *args)  # warm-up outside the graph
+                fn = self._fn()
+                fn(meta, *args)  # warm-up outside the graph
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.fn(meta, *args)
+                    self.outputs[size] = fn(meta, *args)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)

@@ -1,5 +1,6 @@
 """Suite-wide settings."""
 
+import gc
 import os
 
 # The test models are tiny: intra-op threads buy nothing, and on a busy 2-core machine torch's
@@ -7,6 +8,17 @@ import os
 # variable reaches the servers and checks that tests start as subprocesses.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _free_device_memory(request: pytest.FixtureRequest):
+    """After a GPU test, collect what its engines left in reference cycles, so that the next test's
+    engine sizes its KV cache against a free device."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
