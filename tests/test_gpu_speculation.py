@@ -5,6 +5,7 @@ without CUDA."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import jsonschema
@@ -36,9 +37,18 @@ def _llm(spec: dict | None) -> LLM:
     return LLM(device="cuda", dtype="float32", max_model_len=512, speculative_config=spec)
 
 
+def _generate(spec: dict | None, batch: list, params: SamplingParams) -> list[list[int]]:
+    """Token ids from a fresh engine, closed (and unreferenced) before returning."""
+    llm = _llm(spec)
+    out = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+    _close(llm)
+    return out
+
+
 def _close(llm: LLM) -> None:
     llm.core.shutdown()
     del llm
+    gc.collect()
     torch.cuda.empty_cache()
 
 
@@ -87,12 +97,8 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
 def test_sampled_drafting_runs_on_the_gpu(method: str, batch: list) -> None:
     """Seeded sampling with drafts (the eager drafting path and the reference verification) gives
     the same tokens twice, and every request its full length."""
-    outs = []
-    for _ in range(2):
-        llm = _llm(SPECS[method])
-        params = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
-        _close(llm)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
+    outs = [_generate(SPECS[method], batch, params) for _ in range(2)]
     assert outs[0] == outs[1]
     assert all(len(t) == 32 for t in outs[0])
 
