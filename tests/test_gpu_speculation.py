@@ -41,7 +41,10 @@ def _generate(spec: dict | None, batch: list, params: SamplingParams) -> list[li
     """Token ids from a fresh engine, closed (and unreferenced) before returning."""
     llm = _llm(spec)
     out = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
-    _close(llm)
+    llm.core.shutdown()
+    del llm  # the last reference: what is left are cycles, which collect() frees
+    gc.collect()
+    torch.cuda.empty_cache()
     return out
 
 
