@@ -33,7 +33,7 @@ from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import StepGraphs, graphs_wanted
+from .step_graphs import StepGraphs, collect_drafts, graphs_wanted
 
 
 class DraftModelProposer(Proposer):
@@ -134,12 +134,7 @@ class DraftModelProposer(Proposer):
                 positions = np.array([lengths[i] + step - 1 for i in live], dtype=np.int64)
                 tokens = self.graphs.run(tokens, positions, [inputs.block_ids[i] for i in live])[0].clone()
                 steps.append((live, tokens))
-            values = torch.cat([t for _, t in steps]).tolist()
-        first = 0
-        for live, t in steps:
-            for k, i in enumerate(live):
-                drafts[i].append(values[first + k])
-            first += len(live)
+            collect_drafts(steps, drafts)
 
     def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]
                  ) -> torch.Tensor:

@@ -42,7 +42,7 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import StepGraphs, graphs_wanted
+from .step_graphs import StepGraphs, collect_drafts, graphs_wanted
 
 
 class EagleProposer(Proposer):
@@ -150,12 +150,7 @@ class EagleProposer(Proposer):
             out, tokens = self.graphs.run(tokens, last_pos[live] + step, [inputs.block_ids[i] for i in live], out)
             out, tokens = out.clone(), tokens.clone()
             steps.append((live, tokens))
-        values = torch.cat([t for _, t in steps]).tolist()
-        first = 0
-        for rows, _ in steps:
-            for k, i in enumerate(rows):
-                drafts[i].append(values[first + k])
-            first += len(rows)
+        collect_drafts(steps, drafts)
 
     def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor) -> torch.Tensor:
         head = self.head

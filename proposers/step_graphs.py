@@ -33,6 +33,8 @@ StepFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def graph_sizes(max_reqs: int) -> list[int]:
+    """Padded request counts a graph is captured for (the target's too): 1, 2, 4, 8, then every
+    multiple of 16 up to ``max_reqs`` (and ``max_reqs`` itself)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_reqs] + list(range(16, max_reqs + 1, 16))
     return sorted(set(sizes + [max_reqs]))
 
@@ -139,6 +141,17 @@ class StepGraphs:
         self.graphs[size].replay()
         self.num_replays += 1
         return tuple(out[:n] for out in self.outputs[size])
+
+
+def collect_drafts(steps: list[tuple[list[int], torch.Tensor]], drafts: list[list[int]]) -> None:
+    """Append each step's device tokens (``(requests, tokens)``, one token per listed request) to
+    ``drafts``, with one device-to-host read for all steps."""
+    values = torch.cat([tokens for _, tokens in steps]).tolist()
+    first = 0
+    for rows, _ in steps:
+        for k, i in enumerate(rows):
+            drafts[i].append(values[first + k])
+        first += len(rows)
 
 
 def graphs_wanted(config: object, device: torch.device, attn_backend: object) -> bool:

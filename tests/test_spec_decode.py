@@ -352,3 +352,15 @@ def test_draft_padding_respects_limits_and_probabilities() -> None:
     assert drafts == [[7, 8, 9], [5, 5, 5], [34], []]
     assert probs[1].shape == (3, 16) and torch.equal(probs[1][0], q[0])
     assert torch.equal(probs[1][1:], torch.nn.functional.one_hot(torch.tensor([5, 5]), 16).float())
+
+
+def test_graph_drafts_are_collected_per_request_in_step_order() -> None:
+    """The graph drafting paths read every step's device tokens at once; requests that stop
+    drafting early (their limit) drop out of later steps."""
+    from specloop.proposers.step_graphs import collect_drafts, graph_sizes
+
+    drafts: list[list[int]] = [[], [], [], []]
+    steps = [([0, 2, 3], torch.tensor([10, 30, 40])), ([0, 3], torch.tensor([11, 41])), ([3], torch.tensor([42]))]
+    collect_drafts(steps, drafts)
+    assert drafts == [[10, 11], [], [30], [40, 41, 42]]
+    assert graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and graph_sizes(3) == [1, 2, 3]

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
+from specloop.proposers.step_graphs import graph_sizes
 
 from ..batch import InputBatch
 from ..executor import EagerExecutor, ForwardOutput, GraphKey
@@ -30,12 +31,6 @@ from .persistent_batch import PersistentBatch
 from .triton_attention import GpuAttentionMetadata
 
 logger = logging.getLogger("specloop")
-
-
-def capture_sizes(max_reqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to ``max_reqs`` (and ``max_reqs`` itself)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_reqs] + list(range(16, max_reqs + 1, 16))
-    return sorted(set(sizes + [max_reqs]))
 
 
 class GraphExecutor:
@@ -49,7 +44,7 @@ class GraphExecutor:
         self.batch = batch
         self.q_lens = q_lens
         self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
-        self.sizes = capture_sizes(batch.max_reqs)
+        self.sizes = graph_sizes(batch.max_reqs)
         self.max_tokens = min(batch.max_tokens, max(self.sizes) * max(q_lens))
         dtype = next(eager.model.parameters()).dtype
         self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
