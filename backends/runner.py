@@ -311,7 +311,7 @@ class ModelRunner:
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampler = self.parts.sampler
-        defer = self.async_scheduling and grammar is None and sampler.can_defer(batch)
+        defer = self.async_scheduling and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
         draft_probs = self.drafter.draft_probs if self.drafter is not None else {}

@@ -3,8 +3,9 @@ compile, and whether the outputs are valid.
 
 * step overhead: median decode-step time with ``--batch`` JSON-schema requests (the schemas of
   ``structured_schemas.py``, in turn) against the same batch unconstrained, counting only steps
-  where every request is still decoding; also the host time of ``grammar_bitmask`` per step (it
-  overlaps the forward on a GPU) and of applying the masks;
+  where every request is still decoding (a step's time: from one ``step()`` return to the next,
+  unsynchronised, so asynchronous scheduling's overlap counts); also the host time of
+  ``grammar_bitmask`` per step (it overlaps the forward on a GPU);
 * compile time of every schema (cold, through the engine's structured-output manager);
 * validity: each request runs to its end at temperature 1; of those that finish with ``stop``, the
   fraction whose text parses and validates against its schema (goal: all).
@@ -47,7 +48,10 @@ def tokenizer_dir(root: str, vocab: int) -> str:
 
 
 def decode_steps(core: Any, requests: list[Any], steps: int, warm: int) -> tuple[list[float], dict[str, float]]:
-    """Per-step times while the whole batch decodes, and the structured-output host time."""
+    """Per-step times while the whole batch decodes, and the structured-output host time. A step's
+    time is the interval between two returns of ``step()`` with nothing synchronised in between:
+    with asynchronous scheduling the device runs one step while the host plans the next, and a
+    synchronisation per step would hide exactly that overlap."""
     so = core.structured_output
     spent = {"bitmask_s": 0.0, "steps": 0}
     fill = so.grammar_bitmask
@@ -62,18 +66,19 @@ def decode_steps(core: Any, requests: list[Any], steps: int, warm: int) -> tuple
     core.add_requests(requests)
     times = []
     try:
+        sync(core)
+        last = time.perf_counter()
         for i in range(warm + steps):
             if not core.has_unfinished_requests():
                 break
-            sync(core)
-            t0 = time.perf_counter()
             core.step()
             core.post_step()
-            sync(core)
+            now = time.perf_counter()
             running = len(core.scheduler.running)
             if i >= warm and running == len(requests):
-                times.append(time.perf_counter() - t0)
+                times.append(now - last)
                 spent["steps"] += 1
+            last = now
     finally:
         so.grammar_bitmask = fill
         core.abort_requests([r.request_id for r in requests])
@@ -142,6 +147,7 @@ def main() -> None:
         "plain ms (median)": 1e3 * statistics.median(plain) if plain else None,
         "json-schema ms (median)": 1e3 * statistics.median(constrained) if constrained else None,
         "overhead": overhead, "steps counted (plain, json)": f"{len(plain)}, {len(constrained)}",
+        "async scheduling": llm.config.async_scheduling,
         "grammar_bitmask host ms per step": 1e3 * spent["bitmask_s"] / max(spent["steps"], 1)})
 
     outs = llm.generate([{"prompt_token_ids": prompt}] * args.batch,
@@ -170,6 +176,7 @@ def main() -> None:
     save(args.out, "structured_outputs", {"benchmark": "structured_outputs", "env": env, "config": vars(args),
                                           "compile_ms": compile_ms, "plain_step_s": plain,
                                           "json_step_s": constrained, "overhead": overhead,
+                                          "async_scheduling": llm.config.async_scheduling,
                                           "bitmask_host_s_per_step": spent["bitmask_s"] / max(spent["steps"], 1),
                                           "stopped": stopped, "valid": valid})
     core.shutdown()

@@ -12,7 +12,9 @@ With asynchronous scheduling a step launches plan n+1 before it commits plan n: 
 counts the tokens plan n will sample as placeholders and schedules their successors, the runner
 feeds those successors from the device, and the host commits (stop checks, outputs) one step late,
 while the device already computes the next step. A request that stops at step n costs at most one
-wasted token of step n+1, whose output the scheduler drops.
+wasted token of step n+1, whose output the scheduler drops. While grammar-constrained requests
+run, plan n is committed right after plan n+1's forward is launched, so that plan n+1's masks see
+plan n's tokens; the host still works while the device computes.
 """
 
 from __future__ import annotations
@@ -114,9 +116,7 @@ class EngineCore:
             self.scheduler.add_request(request)
         if failed:
             self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
-        # A grammar's mask for the next plan needs every earlier token committed: while constrained
-        # requests run, steps are synchronous (an asynchronous one still in flight is committed first).
-        sync = not self.config.async_scheduling or self.structured_output.has_active()
+        sync = not self.config.async_scheduling
         if sync and self.in_flight:
             return self._commit_oldest(failed, t0, t0)
         plan = self.scheduler.schedule()
@@ -128,9 +128,16 @@ class EngineCore:
         if launch:
             self.hooks.step_scheduled(plan)
             self.runner.execute_model(plan)
+            committed = None
+            if self.in_flight and self.structured_output.has_active():
+                # This plan's masks need the previous plan's tokens in the matchers: commit that
+                # plan now, while this one's forward runs, then fill the masks.
+                committed = self._commit_oldest(failed, t0, t1)
             # Filled while the forward runs (a GPU runner returns once the forward is launched).
             grammar = self.structured_output.grammar_bitmask(plan)
             self.in_flight.append((plan, self.runner.sample_tokens(grammar)))
+            if committed is not None:
+                return committed
         if not self.in_flight or (launch and not sync and len(self.in_flight) < 2):
             return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats())
         return self._commit_oldest(failed, t0, t1)

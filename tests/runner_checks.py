@@ -119,12 +119,39 @@ def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
+def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int = 24) -> None:
+    """Grammar-constrained requests on the gpu runner with asynchronous scheduling (masks applied
+    on the device by the fast sampler, tokens deferred) against the synchronous torch runner, on
+    the default model: JSON-schema and regex requests, greedy and seeded, beside a plain one."""
+    from specloop import LLM, SamplingParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["name", "n"], "additionalProperties": False}
+    prompts_ = ["The record:", "def f(x):\n    return", "JSON please", "A name and a number:"]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=3, structured_outputs={"json": schema}),
+              SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs={"regex": "[a-z]{2,8} [0-9]{1,3}"}),
+              SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=4)]
+    outs = {}
+    for runner, mode in (("torch", False), ("gpu", True)):
+        llm = LLM(model_runner=runner, async_scheduling=mode, device=device, dtype=dtype, max_model_len=64)
+        try:
+            got = llm.generate(prompts_, params, use_tqdm=False)
+            assert llm.config.async_scheduling is mode
+            outs[runner] = [o.outputs[0].token_ids for o in got]
+        finally:
+            llm.core.shutdown()
+    assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
+
+
 def _main() -> None:
     import sys
 
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
     check_async_scheduling_matches_sync("cpu", "float32")
+    check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
     print("ok runner")
 
 

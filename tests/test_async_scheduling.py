@@ -7,7 +7,10 @@ interpreter in ``runner_checks.py`` and on CUDA in ``test_gpu_backend.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
+import jsonschema
 import pytest
 
 from specloop import LLM, AsyncEngine, SamplingParams
@@ -108,3 +111,53 @@ async def test_aborts_mid_stream_leave_the_others_exact():
         assert engine.core.scheduler.kv_cache.usage == 0.0
     finally:
         await engine.shutdown()
+
+
+def test_structured_outputs_keep_the_overlap_and_change_no_output():
+    """Constrained requests do not force synchronous steps: the previous plan is committed (its
+    tokens into the matchers) while the next forward runs, then that plan's masks are filled."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["name", "n"], "additionalProperties": False}
+
+    def constrained(i: int) -> SamplingParams:
+        so = {"json": schema} if i % 2 == 0 else {"regex": "[a-z]{2,8}( [0-9]{1,3}){2}"}
+        return SamplingParams(max_tokens=40, temperature=0.0 if i % 3 else 0.8, seed=11 + i, structured_outputs=so)
+
+    prompts = PROMPTS * 2
+    all_params = [constrained(i) if i % 2 == 0 else p for i, p in enumerate(params() * 2)]
+    results, overlapped = {}, {}
+    for mode in (False, True):
+        llm = LLM(async_scheduling=mode, **ENGINE)
+        try:
+            core, seen = llm.core, 0
+            step = core.step
+
+            def counting_step():
+                nonlocal seen
+                out = step()
+                seen += bool(core.in_flight) and core.structured_output.has_active()
+                return out
+
+            core.step = counting_step
+            outs = llm.generate(prompts, all_params, use_tqdm=False)
+            results[mode] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                             for o in outs]
+            overlapped[mode] = seen
+            assert llm.get_metrics()["num_preemptions"] > 0
+            assert core.scheduler.kv_cache.usage == 0.0 and not core.has_unfinished_requests()
+        finally:
+            llm.core.shutdown()
+    assert results[True] == results[False]
+    assert overlapped[False] == 0 and overlapped[True] > 20
+    stopped = 0
+    for (_, text, reason), p in zip(results[True], all_params):
+        so = p.structured_outputs
+        if so is None or reason != "stop":
+            continue
+        stopped += 1
+        if so.json is not None:
+            jsonschema.validate(json.loads(text), schema)
+        else:
+            assert re.fullmatch(so.regex, text), text
+    assert stopped >= 2

@@ -81,6 +81,10 @@ def test_async_scheduling_matches_synchronous_torch_runner() -> None:
     rc.check_async_scheduling_matches_sync("cuda", "float32")
 
 
+def test_structured_outputs_with_async_scheduling_match_synchronous_torch_runner() -> None:
+    rc.check_structured_async_matches_sync("cuda", "float32", max_tokens=48)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     """Through the whole engine: 24 prompts, a shared prefix (prefix-cache hits), a small token

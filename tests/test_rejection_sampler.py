@@ -328,19 +328,22 @@ def test_cuda_kernel_matches_reference() -> None:
 def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
     """The GPU stage's greedy verification (argmax rows, one copy, drafts compared on the host)
     emits what the rejection sampler emits, for every acceptance pattern, with requests that
-    sample nothing (partial prefills) and requests without drafts in the same batch."""
+    sample nothing (partial prefills), requests without drafts and requests under a grammar mask
+    (at every draft position) in the same batch."""
     from types import SimpleNamespace
 
     from specloop.backends.gpu.fast_sampling import FastSamplingStage
     from specloop.backends.sampling_stage import SamplingStage
+    from specloop.sampling.structured_outputs import GrammarBitmask, apply_token_bitmask_torch, num_words
 
     torch.manual_seed(0)
     vocab, greedy = 50, SamplingParams(temperature=0.0)
     stage = FastSamplingStage(SamplingStage(torch.nn.Identity(), vocab, torch.device("cpu")),
                               SimpleNamespace(device=torch.device("cpu")), 64)
+    masked_rows = 0
     for trial in range(40):
-        counts, specs, rows = [], [], []
-        for _ in range(5):
+        counts, specs, rows, masks, masked = [], [], [], [], []
+        for r in range(5):
             kind = trial % 3 if not rows else int(torch.randint(0, 3, ()).item())
             n = int(torch.randint(1, 5, ()).item())
             logits = torch.randn(n, vocab)
@@ -348,19 +351,31 @@ def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
                 counts.append(0)
                 specs.append([])
                 continue
+            if torch.rand(()) < 0.5:  # constrained: a random mask per row, never empty
+                mask = torch.randint(-2**31, 2**31 - 1, (n, num_words(vocab)), dtype=torch.int32) | 1
+                masks.append(mask)
+                masked.append((f"r{r}", n))
+                logits = logits.clone()
+                apply_token_bitmask_torch(logits, mask, torch.arange(n))
             top = logits.argmax(-1).tolist()
             drafts = [t if torch.rand(()) < 0.7 else (t + 1) % vocab for t in top[:n - 1]]
             counts.append(n)
             specs.append(drafts)
             rows.append(logits)
-        logits = torch.cat(rows) if rows else torch.empty(0, vocab)
+        # The stage sees the logits before masking: unmask the constrained rows' -inf back to noise.
+        want_logits = torch.cat(rows) if rows else torch.empty(0, vocab)
+        raw = torch.where(torch.isinf(want_logits), torch.randn_like(want_logits) + 5, want_logits)
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        batch = SimpleNamespace(precomputed_logits=logits, logits_indices=torch.arange(logits.shape[0]),
-                                num_tokens=logits.shape[0], sample_rows=list(zip(firsts, counts)),
-                                spec_token_ids=specs)
-        fast = stage._verify_greedy(batch, logits).sampled
+        batch = SimpleNamespace(precomputed_logits=raw, logits_indices=torch.arange(raw.shape[0]),
+                                num_tokens=raw.shape[0], sample_rows=list(zip(firsts, counts)),
+                                spec_token_ids=specs, req_ids=[f"r{r}" for r in range(5)])
+        grammar = GrammarBitmask([rid for rid, _ in masked], [n for _, n in masked],
+                                 torch.cat(masks).numpy()) if masks else None
+        masked_rows += sum(n for _, n in masked)
+        fast = stage._verify_greedy(batch, raw, grammar).sampled
         meta = sampling.SamplingMetadata.build(
             [sampling.SamplingRow(greedy, 0, 10 + j, [1], [], []) for n in counts for j in range(n)], vocab,
             torch.device("cpu"))
-        want = RejectionSampler("torch")(logits=logits, metadata=meta, spec_token_ids=specs, num_rows=counts)
+        want = RejectionSampler("torch")(logits=want_logits, metadata=meta, spec_token_ids=specs, num_rows=counts)
         assert fast == want
+    assert masked_rows > 50

@@ -11,6 +11,10 @@ row on the device and one copy of those ids to the host, where each request keep
 the first that differs from the target's token, plus that token: what the rejection sampler does
 for greedy rows, without its per-row metadata and kernel launches.
 
+Both paths take structured outputs' grammar masks: the step's packed bitmask goes to the device
+through a pinned buffer and the mask kernel clears the forbidden logits of its rows before the draw
+or the argmax, so a constrained plain batch still samples on the device and defers its tokens.
+
 Everything else goes to the reference stage, with the Gumbel-max kernel for its draws.
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from specloop.kernels.sampling import gumbel_sample
-from specloop.sampling.structured_outputs import GrammarBitmask
+from specloop.sampling.structured_outputs import GrammarBitmask, apply_token_bitmask
 
 from ..batch import InputBatch
 from ..requests import CachedRequestState
@@ -39,6 +43,8 @@ class FastSamplingStage:
         self._host = [torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pinned)
                       for _ in range(self.NUM_HOST_BUFFERS)]
         self._turn = 0
+        self._masks: list[torch.Tensor | None] = [None] * self.NUM_HOST_BUFFERS  # pinned bitmask staging
+        self._mask_turn = 0
 
     def forget(self, finished: frozenset[str]) -> None:
         self.reference.forget(finished)
@@ -55,20 +61,23 @@ class FastSamplingStage:
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
                grammar: GrammarBitmask | None = None) -> SampleResult:
-        if grammar is None and self._greedy_verification(batch, requests):
-            return self._verify_greedy(batch, hidden_states)
-        if grammar is not None or not self.can_defer(batch):
+        if self._greedy_verification(batch, requests):
+            return self._verify_greedy(batch, hidden_states, grammar)
+        if not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
-        result = self._sample_plain(batch, hidden_states, requests)
+        result = self._sample_plain(batch, hidden_states, requests, grammar)
         if not defer:
             result.sampled, result.wait = result.wait(), None
         return result
 
-    def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor) -> SampleResult:
+    def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor,
+                       grammar: GrammarBitmask | None) -> SampleResult:
         """Drafts against the target's argmax; see the module docstring."""
         num_rows = batch.logits_indices.shape[0]
         with torch.inference_mode():
-            top = self.reference.logits(batch, hidden_states).argmax(dim=-1)
+            logits = self.reference.logits(batch, hidden_states)
+            self._apply_grammar(batch, logits, grammar)
+            top = logits.argmax(dim=-1)
             host = self._next_host_buffer(num_rows)
             host.copy_(top, non_blocking=True)
             if top.is_cuda:
@@ -83,13 +92,42 @@ class FastSamplingStage:
             sampled.append(target[:accepted + 1] if count else [])
         return SampleResult(sampled, None, {})
 
+    def _apply_grammar(self, batch: InputBatch, logits: torch.Tensor, grammar: GrammarBitmask | None) -> None:
+        """In place: the structured rows of ``logits`` (one per sampled row of each constrained
+        request, drafts included) keep only what their grammar allows."""
+        if grammar is None:
+            return
+        position = {rid: i for i, rid in enumerate(batch.req_ids)}
+        rows: list[int] = []
+        for rid, n in zip(grammar.req_ids, grammar.num_rows):
+            first, count = batch.sample_rows[position[rid]]
+            if count != n:
+                raise RuntimeError(f"request {rid!r}: {n} grammar rows for {count} sampled rows")
+            rows.extend(range(first, first + count))
+        bitmask = self._stage_bitmask(grammar.bitmask)
+        apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64).to(logits.device))
+
+    def _stage_bitmask(self, bitmask) -> torch.Tensor:
+        """The step's bitmask on the device, copied from a pinned buffer (reused three steps later,
+        long after its copy ran: each step waits for its own tokens, copied after the mask)."""
+        rows, words = bitmask.shape
+        staged = self._masks[self._mask_turn]
+        if staged is None or staged.shape[0] < rows or staged.shape[1] != words:
+            capacity = max(rows, 2 * staged.shape[0] if staged is not None else 64)
+            staged = torch.empty((capacity, words), dtype=torch.int32, pin_memory=self.batch.device.type == "cuda")
+            self._masks[self._mask_turn] = staged
+        self._mask_turn = (self._mask_turn + 1) % self.NUM_HOST_BUFFERS
+        host = staged[:rows]
+        host.numpy()[...] = bitmask
+        return host.to(self.batch.device, non_blocking=True)
+
     def _next_host_buffer(self, num_rows: int) -> torch.Tensor:
         host = self._host[self._turn][:num_rows]
         self._turn = (self._turn + 1) % self.NUM_HOST_BUFFERS
         return host
 
     def _sample_plain(self, batch: InputBatch, hidden_states: torch.Tensor,
-                      requests: dict[str, CachedRequestState]) -> SampleResult:
+                      requests: dict[str, CachedRequestState], grammar: GrammarBitmask | None = None) -> SampleResult:
         """Launch the draw and the copy of its tokens to the host; ``wait()`` reads them."""
         pb = self.batch
         num_rows = batch.logits_indices.shape[0]
@@ -99,6 +137,7 @@ class FastSamplingStage:
             return SampleResult([], None, {}, wait=lambda: [[] for _ in range(num_reqs)])
         with torch.inference_mode():
             logits = self.reference.logits(batch, hidden_states)
+            self._apply_grammar(batch, logits, grammar)
             rows = pb.sample_req_rows[:num_rows].long()
             slots = pb.req_slots.index_select(0, rows).long()
             any_min_p = any(requests[r].sampling_params.min_p > 0 for r in batch.req_ids)
