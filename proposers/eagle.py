@@ -42,7 +42,7 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import StepGraphs, collect_drafts, graphs_wanted
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, greedy_chain, uniform_feed
 
 
 class EagleProposer(Proposer):
@@ -70,6 +70,8 @@ class EagleProposer(Proposer):
         self.ops = context.ops
         self.block_size = context.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: StepGraphs | None = None
+        self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
@@ -78,14 +80,22 @@ class EagleProposer(Proposer):
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.graphs = None
+        self.graphs, self.feed_graphs = None, {}
         if graphs_wanted(self.config, self.device, self.attn_backend):
             c = self.config
             hidden = ((self.head_config.hidden_size,), self.dtype)
-            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs,
-                                     (c.max_model_len or 2048) + self.num_speculative_tokens + 1, self.block_size,
-                                     extra=[hidden])
+            max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
+            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, extra=[hidden])
             self.graphs.capture()
+            # The first step of decode and verification steps: q = 1 + the (padded) draft count.
+            budget = c.max_num_batched_tokens or c.max_num_seqs * (self.num_speculative_tokens + 1)
+            for q in range(1, self.num_speculative_tokens + 2):
+                if budget // q < 1:
+                    break
+                graphs = StepGraphs(self._feed_step, self.device, min(c.max_num_seqs, budget // q), max_len,
+                                    self.block_size, extra=[hidden], rows_per_req=q, pool=self.graphs.pool)
+                graphs.capture()
+                self.feed_graphs[q] = graphs
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +103,12 @@ class EagleProposer(Proposer):
         embeds = self.embed_tokens(token_ids).to(self.dtype)
         out = self.head(embeds, hidden, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops))
         return out, self._argmax(out)
+
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
+                   hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        """The first step over ``q`` target rows per request: the head's output per row."""
+        embeds = self.embed_tokens(token_ids).to(self.dtype)
+        return (self.head(embeds, hidden, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)),)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
@@ -104,21 +120,27 @@ class EagleProposer(Proposer):
         # Feed every row the target computed, less the rejected drafts at the end of each request.
         qsl = inputs.query_start_loc
         counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
-        rows = np.concatenate([np.arange(qsl[i], qsl[i] + counts[i]) for i in range(n)])
-        positions = inputs.positions[rows]
-        feed_qsl = np.concatenate([[0], np.cumsum(counts)])
-        next_ids = np.concatenate([inputs.token_ids[i][positions[feed_qsl[i]:feed_qsl[i + 1]] + 1] for i in range(n)])
-        last_pos = positions[feed_qsl[1:] - 1]
-        hidden = self._target_hidden(inputs, torch.as_tensor(rows, device=self.device))
-        out = self._forward(inputs, list(range(n)), next_ids, hidden, positions, feed_qsl.tolist())
+        feed = uniform_feed(self.feed_graphs, inputs.num_sampled, qsl)
+        if feed is not None:
+            out, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
+        else:
+            rows = np.concatenate([np.arange(qsl[i], qsl[i] + counts[i]) for i in range(n)])
+            positions = inputs.positions[rows]
+            feed_qsl = np.concatenate([[0], np.cumsum(counts)])
+            next_ids = np.concatenate([inputs.token_ids[i][positions[feed_qsl[i]:feed_qsl[i + 1]] + 1]
+                                       for i in range(n)])
+            last_rows = feed_qsl[1:] - 1
+            last_pos = positions[last_rows]
+            hidden = self._target_hidden(inputs, torch.as_tensor(rows, device=self.device))
+            out = self._forward(inputs, list(range(n)), next_ids, hidden, positions, feed_qsl.tolist())
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
         live = [i for i in range(n) if limits[i] > 0]
         if not live:
             return DraftProposal(drafts, [None] * n)
-        out = out[torch.as_tensor(feed_qsl[1:][live] - 1, device=self.device)]
+        out = out[torch.as_tensor(last_rows[live], device=self.device)]
         if self.graphs is not None and self.graphs.fits(len(live)) and plain_greedy(inputs, live):
-            self._draft_greedy_graphs(inputs, live, limits, last_pos, out, drafts)
+            greedy_chain(self.graphs, live, limits, last_pos, inputs.block_ids, out, self._argmax(out), drafts)
             return DraftProposal(drafts, [None] * n)
         for step in range(int(limits.max())):
             if step:
@@ -137,22 +159,19 @@ class EagleProposer(Proposer):
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _draft_greedy_graphs(self, inputs: ProposerInputs, live: list[int], limits: np.ndarray,
-                             last_pos: np.ndarray, out: torch.Tensor, drafts: list[list[int]]) -> None:
-        """Greedy drafts with steps 1.. replayed from graphs; one device-to-host read at the end."""
-        tokens = self._argmax(out)
-        steps = [(live, tokens)]
-        for step in range(1, int(limits.max())):
-            keep = [k for k, i in enumerate(live) if limits[i] > step]
-            if len(keep) < len(live):
-                index = torch.as_tensor(keep, device=self.device)
-                tokens, out, live = tokens[index], out[index], [live[k] for k in keep]
-            out, tokens = self.graphs.run(tokens, last_pos[live] + step, [inputs.block_ids[i] for i in live], out)
-            out, tokens = out.clone(), tokens.clone()
-            steps.append((live, tokens))
-        collect_drafts(steps, drafts)
+    def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs, counts: np.ndarray
+                    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """The uniform first step replayed from a graph: all ``q`` rows of every request, the rows
+        of rejected drafts included (their cache entries lie past the accepted tokens, where this
+        step's drafts and the next feed write before anything reads). Returns the outputs, each
+        request's row of its last accepted position, and that position."""
+        n, q = inputs.num_reqs, feed.q
+        first = inputs.positions[inputs.query_start_loc[:-1]]
+        ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
+        out, = feed.run(ids, first, inputs.block_ids[:n], self._target_hidden(inputs, slice(0, n * q)))
+        return out, np.arange(n) * q + counts - 1, first + counts - 1
 
-    def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor) -> torch.Tensor:
+    def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor | slice) -> torch.Tensor:
         head = self.head
         if isinstance(head, Eagle3Head) and head.fc is not None:
             aux = inputs.aux_hidden_states

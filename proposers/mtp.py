@@ -17,6 +17,14 @@ The output at the newest verified position ``L - 2`` gives draft 1 (token ``L``)
 applies the layer again one position on, to draft ``k``'s embedding and its own previous output
 (vLLM's way with one MTP layer; with several layers, step ``k`` uses layer ``k mod n``). Those
 speculative cache rows sit past the verified positions and are rewritten by the next step.
+
+On CUDA with the Triton attention backend both kinds of step replay CUDA graphs
+(``proposers.step_graphs``): the first step when every request computed the same number of target
+rows (decode and verification steps, drafts padded to one count), over all of those rows, the
+rejected ones included (their cache rows lie past the verified positions, where this step's drafts
+and the next step write before anything reads them); the further steps of a one-layer checkpoint
+when every drafting request is plain greedy, each step's argmax and output feeding the next on the
+device.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
-from .draw import draw
+from .draw import draw, plain_greedy
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, greedy_chain, uniform_feed
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -78,7 +87,10 @@ class MTPProposer(Proposer):
         self.attn_backend = context.attention_backend()
         self.ops = context.ops
         self.block_size = context.block_size
+        self.hidden_size = cfg.hidden_size
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: StepGraphs | None = None  # draft steps 2.. (one-layer checkpoints)
+        self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
@@ -86,15 +98,60 @@ class MTPProposer(Proposer):
     def initialize(self, num_kv_blocks: int) -> None:
         shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.graphs, self.feed_graphs = None, {}
+        if not graphs_wanted(self.config, self.device, self.attn_backend):
+            return
+        c, k = self.config, self.num_speculative_tokens
+        max_len = (c.max_model_len or 2048) + k + 1
+        hidden = ((self.hidden_size,), self.dtype)
+        pool = None
+        if self.num_layers == 1 and k > 1:
+            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, extra=[hidden])
+            self.graphs.capture()
+            pool = self.graphs.pool
+        budget = c.max_num_batched_tokens or c.max_num_seqs * (k + 1)
+        for q in range(1, k + 2):
+            if budget // q < 1:
+                break
+            graphs = StepGraphs(self._feed_step, self.device, min(c.max_num_seqs, budget // q), max_len,
+                                self.block_size, extra=[hidden], rows_per_req=q, pool=pool)
+            graphs.capture()
+            pool = graphs.pool
+            self.feed_graphs[q] = graphs
+
+    def _context(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
+
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
+                   hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        """Every layer over ``q`` target rows per request; layer 0's outputs."""
+        embeds = self.embed_tokens(token_ids).to(self.dtype)
+        outs = [self.model(embeds, positions, hidden, self._context(meta), layer) for layer in range(self.num_layers)]
+        return (outs[0],)
+
+    def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step of a one-layer checkpoint: the layer's output and the greedy next draft."""
+        out = self.model(self.embed_tokens(token_ids).to(self.dtype), positions, hidden, self._context(meta), 0)
+        return out, self._argmax(out, 0)
+
+    def _argmax(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.lm_head(self.model.logits_input(out, self.ops, layer).to(self.target_dtype)).argmax(dim=-1)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
         with torch.inference_mode():
-            out, last_rows = self._run_verified(inputs)
+            feed = uniform_feed(self.feed_graphs, inputs.num_sampled, inputs.query_start_loc)
+            out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
             hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
+            if live and self.graphs is not None and self.graphs.fits(len(live)) and plain_greedy(inputs, live):
+                last_pos = np.array([len(t) - 2 for t in inputs.token_ids], dtype=np.int64)
+                greedy_chain(self.graphs, live, limits, last_pos, inputs.block_ids, hidden, self._argmax(hidden, 0),
+                             drafts)
+                return DraftProposal(drafts, [None] * inputs.num_reqs)
             for step in range(int(limits.max(initial=0))):
                 if step:  # the layer again, one position on: the previous draft and output
                     keep = [k for k, i in enumerate(live) if limits[i] > step]
@@ -126,6 +183,14 @@ class MTPProposer(Proposer):
         outs = [self._forward(inputs, range(inputs.num_reqs), positions, tokens, target_hidden, layer)
                 for layer in range(self.num_layers)]
         return outs[0], np.cumsum([len(r) for r in rows]) - 1
+
+    def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs) -> tuple[torch.Tensor, np.ndarray]:
+        """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request."""
+        n, q = inputs.num_reqs, feed.q
+        first = inputs.positions[inputs.query_start_loc[:-1]]
+        ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
+        out, = feed.run(ids, first, inputs.block_ids[:n], inputs.hidden_states[:n * q])
+        return out, np.arange(n) * q + (q - 1 - inputs.num_rejected)
 
     def _run_draft(self, inputs: ProposerInputs, live: list[int], step: int, tokens: list[int],
                    hidden: torch.Tensor) -> torch.Tensor:

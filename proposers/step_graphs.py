@@ -12,6 +12,12 @@ The token ids (and extra inputs) are copied device to device, so a greedy chain 
 of step ``j`` feeding step ``j + 1``) runs without the host waiting between steps; the host reads
 all the drafts once at the end. The flash-decoding split count is fixed at capture for the longest
 context, as in the target's graphs.
+
+The first step can be captured too when it is uniform: in a batch of decode or verification steps
+padded to one draft count, every request computed ``q`` rows of the target, and a proposer may
+feed all ``q`` of them (the rows of rejected drafts too, whose cache entries sit past the accepted
+tokens and are rewritten before anything reads them). ``rows_per_req=q`` captures that shape:
+``q`` consecutive positions per request, ``q * n`` rows in all.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ def graph_sizes(max_reqs: int) -> list[int]:
 
 class StepGraphs:
     def __init__(self, fn: StepFn, device: torch.device, max_reqs: int, max_len: int, block_size: int,
-                 extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
+                 extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = (), rows_per_req: int = 1,
+                 pool: object = None) -> None:
         # The proposer owns these graphs and ``fn`` is its method: a weak reference, so that the
         # proposer (and the device memory it holds) goes away with its engine, not at a later gc.
         self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
@@ -49,33 +56,37 @@ class StepGraphs:
         self.block_size = block_size
         self.max_len = max_len
         self.max_blocks = -(-max_len // block_size)
+        self.q = q = rows_per_req
         self.sizes = graph_sizes(max_reqs)
         n = max(self.sizes)
         i64 = dict(dtype=torch.int64, device=device)
-        self.token_ids = torch.zeros(n, **i64)
-        self.extra = [torch.zeros(n, *shape, dtype=dtype, device=device) for shape, dtype in extra]
-        # [positions | slots | seq_lens] in one host-to-device copy, block tables in another, from
-        # pinned buffers used in turn: a buffer is rewritten only after its last copy ran.
+        self.token_ids = torch.zeros(n * q, **i64)
+        self.extra = [torch.zeros(n * q, *shape, dtype=dtype, device=device) for shape, dtype in extra]
+        # [positions | slots | seq_lens (first n)] in one host-to-device copy, block tables in
+        # another, from pinned buffers used in turn: a buffer is rewritten only after its last copy ran.
         pinned = device.type == "cuda"
-        self._host = [torch.zeros(3, n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host = [torch.zeros(3, n * q, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._host_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=pinned)
                              for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._packed = torch.zeros(3, n, **i64)
+        self._packed = torch.zeros(3, n * q, **i64)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
+        self._offsets = np.arange(q)
+        self._pad_positions = torch.arange(q, **i64).repeat(n)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.num_replays = 0
+        self.pool = pool  # a memory pool shared with other graphs of the same proposer, if given
 
     def capture(self) -> None:
-        pool = None
+        pool, q = self.pool, self.q
         for size in sorted(self.sizes, reverse=True):
             meta = self._metadata(size)
             graph = torch.cuda.CUDAGraph()
-            args = (self.token_ids[:size], self._packed[0, :size], *(e[:size] for e in self.extra))
+            args = (self.token_ids[:size * q], self._packed[0, :size * q], *(e[:size * q] for e in self.extra))
             with torch.inference_mode():
                 self._fill_padding(0, size)
                 fn = self._fn()
@@ -85,49 +96,61 @@ class StepGraphs:
                     self.outputs[size] = fn(meta, *args)
             pool = graph.pool()
             self.graphs[size] = graph
+        self.pool = pool
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs of draft steps (up to %d requests)", len(self.graphs), max(self.sizes))
+        logger.info("captured %d CUDA graphs of draft steps of %d tokens per request (up to %d requests)",
+                    len(self.graphs), q, max(self.sizes))
 
     def _metadata(self, size: int) -> AttentionMetadata:
+        q = self.q
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            slot_mapping=self._packed[1, :size], block_tables=self.block_tables[:size], max_query_len=1,
-            max_seq_len=self.max_len, query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_len] * size)
+            slot_mapping=self._packed[1, :size * q], block_tables=self.block_tables[:size], max_query_len=q,
+            max_seq_len=self.max_len, query_start_loc_cpu=list(range(0, size * q + 1, q)),
+            seq_lens_cpu=[self.max_len] * size)
 
     def _fill_padding(self, start: int, end: int) -> None:
-        """Rows ``[start, end)`` own one token at position 0 that writes no KV (slot -1)."""
-        self._packed[0, start:end].zero_()
-        self._packed[1, start:end].fill_(-1)
-        self.seq_lens[start:end].fill_(1)
+        """Requests ``[start, end)`` own tokens at positions ``0..q-1`` that write no KV (slot -1)."""
+        q = self.q
+        self._packed[0, start * q:end * q].copy_(self._pad_positions[:(end - start) * q])
+        self._packed[1, start * q:end * q].fill_(-1)
+        self.seq_lens[start:end].fill_(q)
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]
 
     def run(self, token_ids: torch.Tensor, positions: np.ndarray, block_ids: Sequence[Sequence[int]],
             *extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One step over ``len(positions)`` requests: request ``k`` feeds ``token_ids[k]`` at
-        ``positions[k]`` of the request whose blocks are ``block_ids[k]``; ``extra`` are the
-        per-request inputs declared at construction. Returns the step's outputs' rows (views of
-        static buffers, valid until the next call)."""
-        n = len(positions)
+        """One step over ``len(block_ids)`` requests: request ``k`` feeds the ``q`` tokens
+        ``token_ids[k*q:(k+1)*q]`` at positions ``positions[k]``, ``positions[k] + 1``, ... of the
+        request whose blocks are ``block_ids[k]``; ``extra`` are the per-row inputs declared at
+        construction. Returns the step's outputs' rows (views of static buffers, valid until the
+        next call)."""
+        n, q = len(block_ids), self.q
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        if len(block_ids) != n or len(token_ids) != n:
-            raise ValueError(f"{len(token_ids)} token ids and {len(block_ids)} block tables for {n} positions")
+        if len(positions) != n or len(token_ids) != n * q:
+            raise ValueError(f"{len(token_ids)} token ids and {len(positions)} positions for {n} requests "
+                             f"of {q} tokens")
         bs, turn = self.block_size, self._turn
         self._turn ^= 1
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
         host_t, tables_t = self._host[turn], self._host_tables[turn]
         host, tables = host_t.numpy(), tables_t.numpy()
-        host[0, :n] = positions
+        rows = (np.asarray(positions, dtype=np.int64)[:, None] + self._offsets).reshape(-1)
+        host[0, :n * q] = rows
         for k, blocks in enumerate(block_ids):
-            p = int(positions[k])
-            if p // bs >= len(blocks) or len(blocks) > self.max_blocks:
-                raise RuntimeError(f"draft position {p} is past the request's {len(blocks)} KV blocks")
-            host[1, k] = blocks[p // bs] * bs + p % bs
+            last = int(rows[k * q + q - 1])
+            if last // bs >= len(blocks) or len(blocks) > self.max_blocks:
+                raise RuntimeError(f"draft position {last} is past the request's {len(blocks)} KV blocks")
             tables[k, :len(blocks)] = blocks
-        host[2, :n] = np.asarray(positions) + 1
-        self._packed[:, :n].copy_(host_t[:, :n], non_blocking=True)
+            if q == 1:
+                host[1, k] = blocks[last // bs] * bs + last % bs
+            else:
+                p = rows[k * q:(k + 1) * q]
+                host[1, k * q:(k + 1) * q] = tables[k, p // bs].astype(np.int64) * bs + p % bs
+        host[2, :n] = rows[q - 1::q] + 1
+        self._packed[:, :n * q].copy_(host_t[:, :n * q], non_blocking=True)
         self.block_tables[:n].copy_(tables_t[:n], non_blocking=True)
         if self.device.type == "cuda":
             event = self._copied[turn] = torch.cuda.Event()
@@ -135,12 +158,55 @@ class StepGraphs:
         self.seq_lens[:n].copy_(self._packed[2, :n])
         if n < size:
             self._fill_padding(n, size)
-        self.token_ids[:n].copy_(token_ids)
+        self.token_ids[:n * q].copy_(token_ids)
         for buffer, value in zip(self.extra, extra):
-            buffer[:n].copy_(value)
+            buffer[:n * q].copy_(value)
         self.graphs[size].replay()
         self.num_replays += 1
-        return tuple(out[:n] for out in self.outputs[size])
+        return tuple(out[:n * q] for out in self.outputs[size])
+
+
+def uniform_feed(feed_graphs: dict[int, StepGraphs], num_sampled: np.ndarray, query_start_loc: np.ndarray
+                 ) -> StepGraphs | None:
+    """The captured first step for a target step in which every request computed the same number
+    ``q`` of rows and sampled (a decode or verification step, drafts padded to one count)."""
+    if not feed_graphs or not len(num_sampled) or not (num_sampled > 0).all():
+        return None
+    sizes = np.diff(query_start_loc)
+    graphs = feed_graphs.get(int(sizes[0]))
+    if graphs is None or not (sizes == sizes[0]).all() or not graphs.fits(len(num_sampled)):
+        return None
+    return graphs
+
+
+def feed_token_ids(token_ids: Sequence[np.ndarray], first: np.ndarray, q: int) -> np.ndarray:
+    """``[n * q]``: for row ``j`` of request ``i`` (position ``first[i] + j``), the token after
+    it; 0 past the request's known tokens (rows of rejected drafts, whose outputs nobody reads)."""
+    ids = np.zeros((len(first), q), dtype=np.int64)
+    offsets = np.arange(1, q + 1)
+    for i, tokens in enumerate(token_ids):
+        known = min(q, len(tokens) - 1 - int(first[i]))
+        ids[i, :known] = tokens[first[i] + offsets[:known]]
+    return ids.reshape(-1)
+
+
+def greedy_chain(graphs: StepGraphs, live: list[int], limits: np.ndarray, last_pos: np.ndarray,
+                 block_ids: Sequence[Sequence[int]], out: torch.Tensor, tokens: torch.Tensor,
+                 drafts: list[list[int]]) -> None:
+    """Greedy drafts 2.. of a head-like proposer (its step reads the previous draft and its own
+    previous output) replayed from ``graphs``, after draft 1 (``tokens``, from ``out``): request
+    ``live[k]`` drafts up to ``limits[live[k]]`` tokens at positions ``last_pos + 1, ...``. One
+    device-to-host read at the end appends them all to ``drafts``."""
+    steps = [(live, tokens)]
+    for step in range(1, int(limits[live].max())):
+        keep = [k for k, i in enumerate(live) if limits[i] > step]
+        if len(keep) < len(live):
+            index = torch.as_tensor(keep, device=tokens.device)
+            tokens, out, live = tokens[index], out[index], [live[k] for k in keep]
+        out, tokens = graphs.run(tokens, last_pos[live] + step, [block_ids[i] for i in live], out)
+        out, tokens = out.clone(), tokens.clone()
+        steps.append((live, tokens))
+    collect_drafts(steps, drafts)
 
 
 def collect_drafts(steps: list[tuple[list[int], torch.Tensor]], drafts: list[list[int]]) -> None:

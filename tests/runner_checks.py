@@ -145,6 +145,92 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
+def _eager_step_graphs(**kwargs: Any) -> Any:
+    """A :class:`StepGraphs` whose "graphs" run eagerly on its static buffers: the host-side
+    packing (positions, slots, context lengths, padding requests) is what a replay reads."""
+    from specloop.proposers.step_graphs import StepGraphs
+
+    class EagerStepGraphs(StepGraphs):
+        def capture(self) -> None:
+            for size in self.sizes:
+                self.graphs[size] = _EagerReplay(self, size)
+
+    class _EagerReplay:
+        def __init__(self, graphs: Any, size: int) -> None:
+            self.graphs, self.size = graphs, size
+
+        def replay(self) -> None:
+            g, size = self.graphs, self.size
+            rows = size * g.q
+            with torch.inference_mode():
+                outs = g._fn()(g._metadata(size), g.token_ids[:rows], g._packed[0, :rows],
+                               *(e[:rows] for e in g.extra))
+            g.outputs[size] = tuple(o.clone() for o in outs)
+
+    graphs = EagerStepGraphs(**kwargs)
+    graphs.capture()
+    return graphs
+
+
+def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
+    """The greedy graph paths of a head-like proposer (EAGLE-3, MTP: the uniform first step over
+    every target row, the further steps chained on the device), run eagerly on the graphs' static
+    buffers under the Triton kernels: the same drafts, step by step, as the proposer's eager path,
+    and the same output as without drafts."""
+    from pathlib import Path
+
+    from specloop import LLM, SamplingParams
+
+    root = Path(__file__).resolve().parent.parent / "default_models"
+    if method == "mtp":
+        path, spec = str(root / "specloop-tiny-mtp"), {"method": "mtp", "num_speculative_tokens": 2}
+    else:
+        path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 2,
+                                                   "model": str(root / f"specloop-tiny-{method}")}
+    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs, drafts, replays = {}, {}, {}
+    for mode in ("none", "eager", "graphs"):
+        llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
+                  max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec)
+        try:
+            if mode != "none":
+                runner = llm.core.runner
+                prop = runner.drafter.proposer
+                runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
+                if mode == "graphs":
+                    c = llm.config
+                    width = prop.hidden_size if method == "mtp" else prop.head_config.hidden_size
+                    common = dict(device=prop.device, max_reqs=c.max_num_seqs, max_len=c.max_model_len + 3,
+                                  block_size=prop.block_size, extra=[((width,), prop.dtype)])
+                    prop.graphs = _eager_step_graphs(fn=prop._step, **common)
+                    prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q, **common)
+                                        for q in (1, 2, 3)}
+                seen: list = []
+                propose = prop.propose
+                prop.propose = _recording(propose, seen)
+            got = llm.generate(batch, params, use_tqdm=False)
+            outs[mode] = [o.outputs[0].token_ids for o in got]
+            if mode != "none":
+                drafts[mode] = seen
+            if mode == "graphs":
+                replays = {"steps": prop.graphs.num_replays,
+                           **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()}}
+        finally:
+            llm.core.shutdown()
+    assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
+    assert drafts["graphs"] == drafts["eager"], (method, drafts)
+    assert replays["steps"] > 0 and replays["feed q=3"] > 0, replays
+
+
+def _recording(propose: Any, seen: list) -> Any:
+    def wrapped(inputs: Any) -> Any:
+        proposal = propose(inputs)
+        seen.append([list(d) for d in proposal.draft_token_ids])
+        return proposal
+    return wrapped
+
+
 def _main() -> None:
     import sys
 
@@ -152,6 +238,8 @@ def _main() -> None:
         check_runner_matches_torch("cpu", "float32", variant)
     check_async_scheduling_matches_sync("cpu", "float32")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
+    for method in ("eagle3", "mtp"):
+        check_draft_graphs_match_eager("cpu", method)
     print("ok runner")
 
 

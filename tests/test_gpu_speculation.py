@@ -87,6 +87,8 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
     verify_replays = runner.parts.executor.num_replays
     graphs = getattr(runner.drafter.proposer, "graphs", None)
     draft_replays = graphs.num_replays if graphs is not None else None
+    feeds = getattr(runner.drafter.proposer, "feed_graphs", {})
+    feed_replays = sum(g.num_replays for g in feeds.values())
     _close(llm)
     assert metrics["spec_num_accepted_tokens"] > 0, f"{method} never had a draft accepted"
     for i, (a, b) in enumerate(zip(got, reference)):
@@ -94,6 +96,8 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
     assert verify_replays > 0, f"{method}: no verification step replayed a CUDA graph"
     if method in ("draft_model", "eagle", "eagle3"):
         assert draft_replays, f"{method}: no drafting step replayed a CUDA graph"
+    if method in ("eagle", "eagle3"):
+        assert feed_replays, f"{method}: no first drafting step (the feed of the target's rows) replayed a graph"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
