@@ -47,43 +47,61 @@ def tokenizer_dir(root: str, vocab: int) -> str:
     return path
 
 
-def decode_steps(core: Any, requests: list[Any], steps: int, warm: int) -> tuple[list[float], dict[str, float]]:
-    """Per-step times while the whole batch decodes, and the structured-output host time. A step's
-    time is the interval between two returns of ``step()`` with nothing synchronised in between:
-    with asynchronous scheduling the device runs one step while the host plans the next, and a
-    synchronisation per step would hide exactly that overlap."""
+def decode_steps(core: Any, make: Any, batch: int, steps: int, warm: int) -> tuple[list[float], dict[str, float]]:
+    """Per-step times at a steady ``batch`` requests (``make(i)`` builds request ``i``; each
+    one that finishes is replaced at once, as a server under load would see), and the host time of
+    the structured-output calls on the step thread. A step's time is the interval between two
+    returns of ``step()`` with nothing synchronised in between: with asynchronous scheduling the
+    device runs one step while the host plans the next, and a synchronisation per step would hide
+    exactly that overlap. The first ``warm`` steps are not counted (compilation, first masks)."""
     so = core.structured_output
-    spent = {"bitmask_s": 0.0, "steps": 0}
-    fill = so.grammar_bitmask
+    spent = {"bitmask_s": 0.0, "commit_s": 0.0, "steps": 0, "running": 0}
+    fill, commit = so.grammar_bitmask, so.commit
 
-    def timed(plan: Any) -> Any:
-        t0 = time.perf_counter()
-        out = fill(plan)
-        spent["bitmask_s"] += time.perf_counter() - t0
-        return out
+    def timed(fn: Any, key: str) -> Any:
+        def call(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            spent[key] += time.perf_counter() - t0
+            return out
+        return call
 
-    so.grammar_bitmask = timed
-    core.add_requests(requests)
+    so.grammar_bitmask, so.commit = timed(fill, "bitmask_s"), timed(commit, "commit_s")
+    live = {}
+    for i in range(batch):
+        r = make(i)
+        live[r.request_id] = r
+    core.add_requests(list(live.values()))
+    made = batch
     times = []
     try:
         sync(core)
         last = time.perf_counter()
         for i in range(warm + steps):
-            if not core.has_unfinished_requests():
-                break
-            core.step()
+            if i == warm:
+                spent.update(bitmask_s=0.0, commit_s=0.0)
+            out = core.step()
             core.post_step()
             now = time.perf_counter()
-            running = len(core.scheduler.running)
-            if i >= warm and running == len(requests):
+            if i >= warm:
                 times.append(now - last)
                 spent["steps"] += 1
+                spent["running"] += len(core.scheduler.running)
             last = now
+            fresh = []
+            for o in out.outputs:
+                if o.finished and live.pop(o.req_id, None) is not None:
+                    r = make(made)
+                    made += 1
+                    live[r.request_id] = r
+                    fresh.append(r)
+            core.add_requests(fresh)
     finally:
-        so.grammar_bitmask = fill
-        core.abort_requests([r.request_id for r in requests])
+        so.grammar_bitmask, so.commit = fill, commit
+        core.abort_requests(list(live))
         while core.has_unfinished_requests():
             core.step()
+    spent["replaced"] = made - batch
     return times, spent
 
 
@@ -97,12 +115,15 @@ def main() -> None:
     base_args(parser)
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warm", type=int, default=30, help="steps before counting (first masks are slow)")
     parser.add_argument("--tokenizer-vocab", type=int, default=65536)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine's asynchronous scheduling (default: on with CUDA)")
     parser.add_argument("--small", action="store_true", help="the default model, batch 8 (any device)")
     args = parser.parse_args()
     if args.small:
-        args.batch, args.steps = min(args.batch, 8), min(args.steps, 8)
+        args.batch, args.steps, args.warm = min(args.batch, 8), min(args.steps, 8), min(args.warm, 4)
     device = torch.device(args.device)
     env = environment(device)
     report("structured outputs: configuration", {**env, **vars(args)})
@@ -111,11 +132,13 @@ def main() -> None:
     from specloop.kernel.request import Request
 
     if args.small:
-        llm = LLM(device=args.device, max_model_len=512, max_num_seqs=args.batch)
+        llm = LLM(device=args.device, max_model_len=512, max_num_seqs=args.batch,
+                  async_scheduling=args.async_scheduling)
     else:
         path = build_checkpoint(args.shape, args.ckpt_root, device)
         llm = LLM(path, tokenizer=tokenizer_dir(args.ckpt_root, args.tokenizer_vocab), device=args.device,
-                  max_model_len=1024, max_num_seqs=args.batch, gpu_memory_utilization=0.8)
+                  max_model_len=1024, max_num_seqs=args.batch, gpu_memory_utilization=0.8,
+                  async_scheduling=args.async_scheduling)
     core, tok = llm.core, llm.tokenizer
     eos = llm.processor.eos_token_ids
     names = list(SUPPORTED)
@@ -130,25 +153,30 @@ def main() -> None:
 
     prompt = tok.encode("Here is the record as JSON:", add_special_tokens=False)
 
-    def batch(tag: str, constrained: bool, temperature: float, max_tokens: int) -> list[Any]:
-        out = []
-        for i in range(args.batch):
+    def maker(tag: str, constrained: bool, temperature: float, max_tokens: int) -> Any:
+        def make(i: int) -> Any:
             schema = SUPPORTED[names[i % len(names)]][0]
             so = StructuredOutputsParams(json=schema) if constrained else None
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i, structured_outputs=so,
                                     ignore_eos=not constrained)
-            out.append(Request(f"{tag}-{i}", list(prompt), params, eos_token_ids=eos))
-        return out
+            return Request(f"{tag}-{i}", list(prompt), params, eos_token_ids=eos)
+        return make
 
-    plain, _ = decode_steps(core, batch("plain", False, 1.0, 512), args.steps, 2)
-    constrained, spent = decode_steps(core, batch("json", True, 1.0, 512), args.steps, 2)
+    plain, plain_spent = decode_steps(core, maker("plain", False, 1.0, 512), args.batch, args.steps, args.warm)
+    constrained, spent = decode_steps(core, maker("json", True, 1.0, 512), args.batch, args.steps, args.warm)
     overhead = statistics.median(constrained) / statistics.median(plain) - 1 if plain and constrained else None
+    n = max(spent["steps"], 1)
     report(f"decode step at batch {args.batch}", {
         "plain ms (median)": 1e3 * statistics.median(plain) if plain else None,
         "json-schema ms (median)": 1e3 * statistics.median(constrained) if constrained else None,
-        "overhead": overhead, "steps counted (plain, json)": f"{len(plain)}, {len(constrained)}",
+        "overhead": overhead, "steps counted": len(constrained),
+        "running per step (plain, json)": f"{plain_spent['running'] / max(plain_spent['steps'], 1):.1f}, "
+                                          f"{spent['running'] / n:.1f}",
+        "json requests replaced": spent["replaced"],
         "async scheduling": llm.config.async_scheduling,
-        "grammar_bitmask host ms per step": 1e3 * spent["bitmask_s"] / max(spent["steps"], 1)})
+        "grammar_bitmask host ms per step": 1e3 * spent["bitmask_s"] / n,
+        "commit host ms per step": 1e3 * spent["commit_s"] / n,
+        "mask rows filled ahead of the commit": core.structured_output.num_prefetched_rows})
 
     outs = llm.generate([{"prompt_token_ids": prompt}] * args.batch,
                         [SamplingParams(temperature=1.0, max_tokens=400, seed=100 + i,
@@ -178,6 +206,7 @@ def main() -> None:
                                           "json_step_s": constrained, "overhead": overhead,
                                           "async_scheduling": llm.config.async_scheduling,
                                           "bitmask_host_s_per_step": spent["bitmask_s"] / max(spent["steps"], 1),
+                                          "commit_host_s_per_step": spent["commit_s"] / max(spent["steps"], 1),
                                           "stopped": stopped, "valid": valid})
     core.shutdown()
 
