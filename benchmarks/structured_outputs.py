@@ -47,13 +47,18 @@ def tokenizer_dir(root: str, vocab: int) -> str:
     return path
 
 
+REFILL_EVERY = 8  # steps between replacing finished requests
+
+
 def decode_steps(core: Any, make: Any, batch: int, steps: int, warm: int) -> tuple[list[float], dict[str, float]]:
-    """Per-step times at a steady ``batch`` requests (``make(i)`` builds request ``i``; each
-    one that finishes is replaced at once, as a server under load would see), and the host time of
-    the structured-output calls on the step thread. A step's time is the interval between two
-    returns of ``step()`` with nothing synchronised in between: with asynchronous scheduling the
-    device runs one step while the host plans the next, and a synchronisation per step would hide
-    exactly that overlap. The first ``warm`` steps are not counted (compilation, first masks)."""
+    """Decode-step times at about ``batch`` requests, and the host time of the structured-output
+    calls on the step thread. ``make(i)`` builds request ``i``; requests that finish are replaced
+    every :data:`REFILL_EVERY` steps, as a server under load would see, and the step of a refill
+    and the two after it (their prefills run outside the decode graphs) are not counted. A step's
+    time is the interval between two returns of ``step()`` with nothing synchronised in between:
+    with asynchronous scheduling the device runs one step while the host plans the next, and a
+    synchronisation per step would hide exactly that overlap. The first ``warm`` steps are not
+    counted (compilation, first masks)."""
     so = core.structured_output
     spent = {"bitmask_s": 0.0, "commit_s": 0.0, "steps": 0, "running": 0}
     fill, commit = so.grammar_bitmask, so.commit
@@ -62,7 +67,8 @@ def decode_steps(core: Any, make: Any, batch: int, steps: int, warm: int) -> tup
         def call(*args: Any) -> Any:
             t0 = time.perf_counter()
             out = fn(*args)
-            spent[key] += time.perf_counter() - t0
+            if counting:
+                spent[key] += time.perf_counter() - t0
             return out
         return call
 
@@ -72,30 +78,32 @@ def decode_steps(core: Any, make: Any, batch: int, steps: int, warm: int) -> tup
         r = make(i)
         live[r.request_id] = r
     core.add_requests(list(live.values()))
-    made = batch
+    made, finished, quiet = batch, 0, 0
     times = []
+    counting = False
     try:
         sync(core)
         last = time.perf_counter()
         for i in range(warm + steps):
-            if i == warm:
-                spent.update(bitmask_s=0.0, commit_s=0.0)
+            counting = i >= warm and quiet == 0
             out = core.step()
             core.post_step()
             now = time.perf_counter()
-            if i >= warm:
+            if counting:
                 times.append(now - last)
                 spent["steps"] += 1
                 spent["running"] += len(core.scheduler.running)
             last = now
-            fresh = []
+            quiet = max(quiet - 1, 0)
             for o in out.outputs:
                 if o.finished and live.pop(o.req_id, None) is not None:
-                    r = make(made)
-                    made += 1
-                    live[r.request_id] = r
-                    fresh.append(r)
-            core.add_requests(fresh)
+                    finished += 1
+            if i % REFILL_EVERY == REFILL_EVERY - 1 and len(live) < batch:
+                fresh = [make(made + k) for k in range(batch - len(live))]
+                made += len(fresh)
+                live.update((r.request_id, r) for r in fresh)
+                core.add_requests(fresh)
+                quiet = 3
     finally:
         so.grammar_bitmask, so.commit = fill, commit
         core.abort_requests(list(live))
@@ -115,7 +123,7 @@ def main() -> None:
     base_args(parser)
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warm", type=int, default=30, help="steps before counting (first masks are slow)")
     parser.add_argument("--tokenizer-vocab", type=int, default=65536)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -123,7 +131,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="the default model, batch 8 (any device)")
     args = parser.parse_args()
     if args.small:
-        args.batch, args.steps, args.warm = min(args.batch, 8), min(args.steps, 8), min(args.warm, 4)
+        args.batch, args.steps, args.warm = min(args.batch, 8), min(args.steps, 24), min(args.warm, 4)
     device = torch.device(args.device)
     env = environment(device)
     report("structured outputs: configuration", {**env, **vars(args)})

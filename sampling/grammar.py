@@ -74,6 +74,9 @@ class GrammarBackend(Protocol):
     def accept(self, matcher: Any, token_ids: list[int]) -> bool:
         """Advance by committed tokens; False when the grammar refuses one."""
 
+    # Optional: ``accept_many(items)`` advances many ``(matcher, tokens)`` at once (the built-in
+    # backend does single tokens on its own threads, without the GIL); the manager uses it when present.
+
 
 # tokens() -> (request ids, each one's sampled tokens) of a launched plan, waiting for them.
 SampledTokens = Callable[[], tuple[Sequence[str], Sequence[Sequence[int]]]]
@@ -190,11 +193,16 @@ class StructuredOutputs:
             row += len(drafts) + 1
         if not req_ids:
             return None
-        bitmask = np.full((row, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         if copies:
             rows, sources = zip(*copies)
-            bitmask[list(rows)] = ready[1][list(sources)]
+            if not items and list(rows) == list(range(row)):
+                bitmask = ready[1][list(sources)]  # every row ready, in order: one gather
+            else:
+                bitmask = np.full((row, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+                bitmask[list(rows)] = ready[1][list(sources)]
             self.num_prefetched_rows += len(copies)
+        else:
+            bitmask = np.full((row, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         if items:
             self.backend.fill_bitmask(bitmask, items)
         return GrammarBitmask(req_ids, num_rows, bitmask)
@@ -212,10 +220,14 @@ class StructuredOutputs:
         req_ids, sampled = tokens()
         consumed: dict[str, list[int]] = {}
         for rid, new in zip(req_ids, sampled):
-            matcher = matchers.get(rid)
-            if matcher is not None and new:
+            if new and rid in matchers:
                 consumed[rid] = list(new)
-                self.backend.accept(matcher, consumed[rid])
+        accept_many = getattr(self.backend, "accept_many", None)
+        if accept_many is not None:
+            accept_many([(matchers[rid], new) for rid, new in consumed.items()])
+        else:
+            for rid, new in consumed.items():
+                self.backend.accept(matchers[rid], new)
         order = {rid: i for i, rid in enumerate(matchers)}
         masks = np.full((len(order), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
         self.backend.fill_bitmask(masks, [(m, i, []) for i, m in enumerate(matchers.values())])

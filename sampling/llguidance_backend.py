@@ -120,6 +120,16 @@ class LLGuidanceBackend:
         if with_drafts:
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
 
+    def accept_many(self, items: Sequence[tuple[Any, list[int]]]) -> None:
+        """:meth:`accept` for many matchers: single tokens on the executor's threads (without the
+        GIL, which the step thread wants meanwhile), the rest one by one."""
+        single = [(m, t[0]) for m, t in items if len(t) == 1 and not m.is_stopped()]
+        if single:
+            self._executor.consume_token_par(single)
+        for matcher, tokens in items:
+            if len(tokens) != 1:
+                self.accept(matcher, tokens)
+
     def accept(self, matcher: Any, token_ids: list[int]) -> bool:
         for token in token_ids:
             if matcher.is_stopped():  # complete: only EOS (or nothing) follows
