@@ -34,15 +34,11 @@ class DeviceClock:
 
 class PendingOutput:
     """A step's output whose tokens may still be on their way to the host; ``result()`` waits for
-    them once and returns the same :class:`ModelRunnerOutput` on every call. ``tokens``, when
-    given, reads the sampled tokens alone (request ids, tokens per request) from any thread,
-    changing nothing: what structured outputs advance their grammars by ahead of the commit."""
+    them once and returns the same :class:`ModelRunnerOutput` on every call."""
 
-    def __init__(self, wait: Callable[[], ModelRunnerOutput],
-                 tokens: Callable[[], tuple[list[str], list[list[int]]]] | None = None) -> None:
+    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
         self._wait: Callable[[], ModelRunnerOutput] | None = wait
         self._output: ModelRunnerOutput | None = None
-        self.tokens = tokens
 
     def result(self) -> ModelRunnerOutput:
         if self._wait is not None:

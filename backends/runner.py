@@ -293,12 +293,7 @@ class ModelRunner:
         if self._worker is not None:
             executing, self._executing = self._executing, None
             sampling = self._worker.submit(self._sample_after, executing, grammar)
-
-            def tokens() -> tuple[list[str], list[list[int]]]:
-                out = sampling.result()
-                return out.req_ids, out.sampled_token_ids
-
-            return PendingOutput(sampling.result, tokens)
+            return PendingOutput(sampling.result)
         return self._sample(grammar)
 
     def _sample_after(self, executing: Future[None] | None, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
@@ -359,7 +354,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
                                      device_span=span() if span is not None else None)
 
-        return PendingOutput(wait, lambda: (req_ids, result.wait()))
+        return PendingOutput(wait)
 
     def _resolve_pending(self) -> None:
         pending, self._pending = self._pending, None

@@ -135,28 +135,12 @@ class EngineCore:
                 committed = self._commit_oldest(failed, t0, t1)
             # Filled while the forward runs (a GPU runner returns once the forward is launched).
             grammar = self.structured_output.grammar_bitmask(plan)
-            pending = self.runner.sample_tokens(grammar)
-            self.in_flight.append((plan, pending))
-            if not sync and self.structured_output.has_active():
-                self._prefetch_grammars(pending)
+            self.in_flight.append((plan, self.runner.sample_tokens(grammar)))
             if committed is not None:
                 return committed
         if not self.in_flight or (launch and not sync and len(self.in_flight) < 2):
             return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats())
         return self._commit_oldest(failed, t0, t1)
-
-    def _prefetch_grammars(self, pending: ModelRunnerOutput | PendingOutput) -> None:
-        """Let the structured-output manager advance its grammars by this plan's tokens (and fill
-        the next masks) while the next step is planned, if it can and the runner says how to
-        read the tokens early."""
-        prefetch = getattr(self.structured_output, "prefetch", None)
-        if isinstance(pending, ModelRunnerOutput):
-            done = pending
-            tokens: Any = lambda: (done.req_ids, done.sampled_token_ids)  # noqa: E731
-        else:
-            tokens = getattr(pending, "tokens", None)
-        if prefetch is not None and tokens is not None:
-            prefetch(tokens)
 
     def _commit_oldest(self, failed: list[EngineCoreOutput], t0: float, t1: float) -> EngineCoreOutputs:
         done, pending = self.in_flight.popleft()

@@ -120,15 +120,13 @@ class LLGuidanceBackend:
         if with_drafts:
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
 
-    def accept_many(self, items: Sequence[tuple[Any, list[int]]]) -> None:
-        """:meth:`accept` for many matchers: single tokens on the executor's threads (without the
-        GIL, which the step thread wants meanwhile), the rest one by one."""
-        single = [(m, t[0]) for m, t in items if len(t) == 1 and not m.is_stopped()]
-        if single:
-            self._executor.consume_token_par(single)
-        for matcher, tokens in items:
-            if len(tokens) != 1:
-                self.accept(matcher, tokens)
+    def accept_many(self, items: Sequence[tuple[Any, list[int]]]) -> list[bool]:
+        """:meth:`accept` for many matchers, returning for each whether a token was refused.
+        Single tokens are consumed on the executor's threads, without the GIL."""
+        single = [k for k, (m, t) in enumerate(items) if len(t) == 1 and not m.is_stopped()]
+        ok = dict(zip(single, self._executor.consume_token_par([(items[k][0], items[k][1][0]) for k in single])
+                      if single else []))
+        return [not ok[k] if k in ok else not self.accept(m, t) for k, (m, t) in enumerate(items)]
 
     def accept(self, matcher: Any, token_ids: list[int]) -> bool:
         for token in token_ids:

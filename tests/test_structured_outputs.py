@@ -96,6 +96,29 @@ def test_masks_follow_the_drafts_and_the_matcher_keeps_only_committed_tokens():
     assert not so.matchers
 
 
+def test_accept_many_equals_accept_one_by_one():
+    """The batched commit (single tokens on llguidance's threads) leaves every matcher where
+    one-by-one ``accept`` does and reports the same refusals: single and several tokens, a
+    refused token, a complete grammar given EOS."""
+    _, backend = _manager()
+    params = StructuredOutputsParams(choice=["yes please", "no thanks"])
+    compiled = backend.compile(params, (0,))
+    yes, no = _ids("yes please"), _ids("no thanks")
+    feeds = [[yes[0]], yes[:2], [no[0]], [yes[0], no[0]], [no[0]], []]
+    done = backend.matcher(compiled)
+    assert backend.accept(done, yes)
+    many, one = [backend.matcher(compiled) for _ in feeds] + [done], \
+        [backend.matcher(compiled) for _ in feeds] + [done.deep_copy()]
+    feeds.append([0])
+    refused = backend.accept_many(list(zip(many, feeds)))
+    assert refused == [not backend.accept(m, t) for m, t in zip(one, feeds)]
+    assert refused[3] and not any(refused[:3])
+    masks = [np.full((len(feeds), 256), -1, dtype=np.int32) for _ in range(2)]
+    for mask, matchers in zip(masks, (many, one)):
+        backend.fill_bitmask(mask, [(m, i, []) for i, m in enumerate(matchers) if not m.is_error()])
+    assert np.array_equal(masks[0], masks[1])
+
+
 def test_invalid_constraints_are_refused_and_the_engine_lives_on(llm):
     for bad, match in (({"type": "nonsense"}, "schema"), ({"type": "object", "properties": {"a": {"uniqueItems": True,
                                                                                                     "type": "array"}}},
