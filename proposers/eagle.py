@@ -22,9 +22,10 @@ that request's acceptance can dip. (vLLM recomputes the last hit block instead.)
 Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
 step feeds one draft at the next position with the previous step's output as its hidden state.
 Drafts are drawn with the request's sampling processing and report their distribution (``draw``).
-On CUDA with the Triton attention backend, the steps after the first replay CUDA graphs
-(``proposers.step_graphs``) when every drafting request is plain greedy: each step's output and
-argmax feed the next on the device, and the host reads the drafts once, at the end.
+On CUDA with the Triton attention backend the first step of a uniform decode or verification step
+replays a graph over every target row, and when every drafting request is plain greedy the steps
+after it replay as one graph (``proposers.step_graphs.ChainGraphs``): each step's output and argmax
+feed the next on the device, and the host reads the drafts once, at the end.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, greedy_chain, uniform_feed
+from .step_graphs import ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, uniform_feed
 
 
 class EagleProposer(Proposer):
@@ -70,7 +71,8 @@ class EagleProposer(Proposer):
         self.ops = context.ops
         self.block_size = context.block_size
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: StepGraphs | None = None
+        self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
+        self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -80,21 +82,27 @@ class EagleProposer(Proposer):
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.graphs, self.feed_graphs = None, {}
-        if graphs_wanted(self.config, self.device, self.attn_backend):
+        self.chain, self.feed_graphs = None, {}
+        self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
+        if self.graphs_on:
             c = self.config
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
-            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, extra=[hidden])
-            self.graphs.capture()
+            pool = None
+            if self.num_speculative_tokens > 1:
+                self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
+                                         self.num_speculative_tokens - 1, hidden)
+                self.chain.capture()
+                pool = self.chain.pool
             # The first step of decode and verification steps: q = 1 + the (padded) draft count.
             budget = c.max_num_batched_tokens or c.max_num_seqs * (self.num_speculative_tokens + 1)
             for q in range(1, self.num_speculative_tokens + 2):
                 if budget // q < 1:
                     break
                 graphs = StepGraphs(self._feed_step, self.device, min(c.max_num_seqs, budget // q), max_len,
-                                    self.block_size, extra=[hidden], rows_per_req=q, pool=self.graphs.pool)
+                                    self.block_size, extra=[hidden], rows_per_req=q, pool=pool)
                 graphs.capture()
+                pool = graphs.pool
                 self.feed_graphs[q] = graphs
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
@@ -139,8 +147,8 @@ class EagleProposer(Proposer):
         if not live:
             return DraftProposal(drafts, [None] * n)
         out = out[torch.as_tensor(last_rows[live], device=self.device)]
-        if self.graphs is not None and self.graphs.fits(len(live)) and plain_greedy(inputs, live):
-            greedy_chain(self.graphs, live, limits, last_pos, inputs.block_ids, out, self._argmax(out), drafts)
+        if self._chained(live, limits) and plain_greedy(inputs, live):
+            greedy_drafts(self.chain, live, limits, last_pos, inputs.block_ids, out, self._argmax(out), drafts)
             return DraftProposal(drafts, [None] * n)
         for step in range(int(limits.max())):
             if step:
@@ -158,6 +166,12 @@ class EagleProposer(Proposer):
                 if q is not None:
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _chained(self, live: list[int], limits: np.ndarray) -> bool:
+        """Whether the greedy drafts of ``live`` come from graphs (one draft needs none)."""
+        if not self.graphs_on:
+            return False
+        return int(limits[live].max()) <= 1 or (self.chain is not None and self.chain.fits(len(live)))
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs, counts: np.ndarray
                     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:

@@ -23,8 +23,8 @@ On CUDA with the Triton attention backend both kinds of step replay CUDA graphs
 rows (decode and verification steps, drafts padded to one count), over all of those rows, the
 rejected ones included (their cache rows lie past the verified positions, where this step's drafts
 and the next step write before anything reads them); the further steps of a one-layer checkpoint
-when every drafting request is plain greedy, each step's argmax and output feeding the next on the
-device.
+as one graph (``ChainGraphs``) when every drafting request is plain greedy, each step's argmax and
+output feeding the next on the device.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, greedy_chain, uniform_feed
+from .step_graphs import ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, uniform_feed
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -89,7 +89,8 @@ class MTPProposer(Proposer):
         self.block_size = context.block_size
         self.hidden_size = cfg.hidden_size
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: StepGraphs | None = None  # draft steps 2.. (one-layer checkpoints)
+        self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
+        self.chain: ChainGraphs | None = None  # drafts 2..K (one-layer checkpoints)
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -98,17 +99,18 @@ class MTPProposer(Proposer):
     def initialize(self, num_kv_blocks: int) -> None:
         shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.graphs, self.feed_graphs = None, {}
-        if not graphs_wanted(self.config, self.device, self.attn_backend):
+        self.chain, self.feed_graphs = None, {}
+        self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
+        if not self.graphs_on:
             return
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         hidden = ((self.hidden_size,), self.dtype)
         pool = None
         if self.num_layers == 1 and k > 1:
-            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, extra=[hidden])
-            self.graphs.capture()
-            pool = self.graphs.pool
+            self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden)
+            self.chain.capture()
+            pool = self.chain.pool
         budget = c.max_num_batched_tokens or c.max_num_seqs * (k + 1)
         for q in range(1, k + 2):
             if budget // q < 1:
@@ -147,10 +149,10 @@ class MTPProposer(Proposer):
             out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
             hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
-            if live and self.graphs is not None and self.graphs.fits(len(live)) and plain_greedy(inputs, live):
+            if live and self._chained(live, limits) and plain_greedy(inputs, live):
                 last_pos = np.array([len(t) - 2 for t in inputs.token_ids], dtype=np.int64)
-                greedy_chain(self.graphs, live, limits, last_pos, inputs.block_ids, hidden, self._argmax(hidden, 0),
-                             drafts)
+                greedy_drafts(self.chain, live, limits, last_pos, inputs.block_ids, hidden, self._argmax(hidden, 0),
+                              drafts)
                 return DraftProposal(drafts, [None] * inputs.num_reqs)
             for step in range(int(limits.max(initial=0))):
                 if step:  # the layer again, one position on: the previous draft and output
@@ -183,6 +185,12 @@ class MTPProposer(Proposer):
         outs = [self._forward(inputs, range(inputs.num_reqs), positions, tokens, target_hidden, layer)
                 for layer in range(self.num_layers)]
         return outs[0], np.cumsum([len(r) for r in rows]) - 1
+
+    def _chained(self, live: list[int], limits: np.ndarray) -> bool:
+        """Whether the greedy drafts of ``live`` come from graphs (one draft needs none)."""
+        if not self.graphs_on:
+            return False
+        return int(limits[live].max()) <= 1 or (self.chain is not None and self.chain.fits(len(live)))
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs) -> tuple[torch.Tensor, np.ndarray]:
         """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request."""

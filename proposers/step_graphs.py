@@ -166,6 +166,135 @@ class StepGraphs:
         return tuple(out[:n * q] for out in self.outputs[size])
 
 
+class ChainGraphs:
+    """Greedy drafts ``2 .. K`` of a head-like proposer (its step reads the previous draft and its
+    own previous output state) as ONE CUDA graph per padded request count: the ``K - 1`` steps,
+    each step's positions, cache slots and context lengths computed on the device from the
+    request's newest position and block table, each step's argmax and state feeding the next. A
+    call copies two small tables in (positions and writable slots, block tables) and the first
+    draft and its state, and replays once; the host reads all drafts with the first one.
+
+    Every request drafts all ``K - 1`` steps; the caller keeps as many as the request may have.
+    Positions past a request's blocks write no KV (slot -1), and positions past its limit but
+    within its blocks hold entries past its tokens, which the next feed rewrites before anything
+    reads them."""
+
+    def __init__(self, fn: StepFn, device: torch.device, max_reqs: int, max_len: int, block_size: int,
+                 num_steps: int, state: tuple[tuple[int, ...], torch.dtype], pool: object = None) -> None:
+        self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+        self.device, self.block_size, self.max_len, self.num_steps = device, block_size, max_len, num_steps
+        self.max_blocks = -(-max_len // block_size)
+        self.sizes = graph_sizes(max_reqs)
+        n = max(self.sizes)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(n, **i64)
+        self.state = torch.zeros(n, *state[0], dtype=state[1], device=device)
+        pinned = device.type == "cuda"
+        # [newest position | writable slots (blocks x block size)], and block tables, in turn.
+        self._host = [torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=pinned)
+                             for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._packed = torch.zeros(2, n, **i64)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(num_steps, n, **i64)
+        self.slots = torch.zeros(num_steps, n, **i64)
+        self.seq_lens = torch.zeros(num_steps, n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [size, num_steps] drafts
+        self.num_replays = 0
+        self.pool = pool
+
+    def _metadata(self, step: int, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[step, :size],
+            slot_mapping=self.slots[step, :size], block_tables=self.block_tables[:size], max_query_len=1,
+            max_seq_len=self.max_len, query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_len] * size)
+
+    def chain(self, size: int) -> torch.Tensor:
+        """The ``num_steps`` draft steps over the first ``size`` rows of the static inputs."""
+        fn, bs = self._fn(), self.block_size
+        tokens, state = self.tokens[:size], self.state[:size]
+        newest, writable = self._packed[0, :size], self._packed[1, :size]
+        drafts = []
+        for step in range(self.num_steps):
+            pos = newest + (step + 1)
+            block = self.block_tables[:size].gather(1, (pos // bs).clamp(max=self.max_blocks - 1)[:, None])
+            self.positions[step, :size].copy_(pos)
+            self.slots[step, :size].copy_(torch.where(pos < writable, block[:, 0].long() * bs + pos % bs, -1))
+            self.seq_lens[step, :size].copy_(pos + 1)
+            state, tokens = fn(self._metadata(step, size), tokens, self.positions[step, :size], state)
+            drafts.append(tokens)
+        return torch.stack(drafts, dim=1)
+
+    def capture(self) -> None:
+        pool = self.pool
+        for size in sorted(self.sizes, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode():
+                self._packed[:, :size].zero_()  # padding: position 0, nothing writable
+                self.chain(size)  # warm-up outside the graph
+                torch.cuda.synchronize(self.device)
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self.chain(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        self.pool = pool
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs of %d-step draft chains (up to %d requests)",
+                    len(self.graphs), self.num_steps, max(self.sizes))
+
+    def fits(self, num_reqs: int) -> bool:
+        return num_reqs <= self.sizes[-1]
+
+    def run(self, tokens: torch.Tensor, state: torch.Tensor, newest: np.ndarray,
+            block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Drafts ``2 .. K`` (``[n, K - 1]``, a view of a static buffer valid until the next call)
+        of ``n`` requests whose first draft is ``tokens`` with output state ``state``, at position
+        ``newest + 1`` onwards of the request whose blocks are ``block_ids[k]``."""
+        n = len(block_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        turn = self._turn
+        self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        host_t, tables_t = self._host[turn], self._host_tables[turn]
+        host, tables = host_t.numpy(), tables_t.numpy()
+        host[0, :n] = newest
+        for k, blocks in enumerate(block_ids):
+            if len(blocks) > self.max_blocks:
+                raise RuntimeError(f"a request of {len(blocks)} KV blocks is past the draft graphs' {self.max_blocks}")
+            tables[k, :len(blocks)] = blocks
+            host[1, k] = len(blocks) * self.block_size
+        host[:, n:size] = 0
+        self._packed[:, :size].copy_(host_t[:, :size], non_blocking=True)
+        self.block_tables[:n].copy_(tables_t[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._copied[turn] = torch.cuda.Event()
+            event.record()
+        self.tokens[:n].copy_(tokens)
+        self.state[:n].copy_(state)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.outputs[size][:n]
+
+
+def greedy_drafts(chain: ChainGraphs | None, live: list[int], limits: np.ndarray, newest: np.ndarray,
+                  block_ids: Sequence[Sequence[int]], state: torch.Tensor, tokens: torch.Tensor,
+                  drafts: list[list[int]]) -> None:
+    """Append each live request's greedy drafts (up to ``limits[i]``): the first, ``tokens``
+    (from output state ``state``), and the rest from ``chain``; one device-to-host read."""
+    if chain is not None and int(limits[live].max()) > 1:
+        rest = chain.run(tokens, state, newest[live], [block_ids[i] for i in live])
+        tokens = torch.cat([tokens[:, None], rest], dim=1)
+    values = tokens.tolist()
+    for k, i in enumerate(live):
+        row = values[k] if isinstance(values[k], list) else [values[k]]
+        drafts[i].extend(row[:int(limits[i])])
+
+
 def uniform_feed(feed_graphs: dict[int, StepGraphs], num_sampled: np.ndarray, query_start_loc: np.ndarray
                  ) -> StepGraphs | None:
     """The captured first step for a target step in which every request computed the same number
@@ -188,25 +317,6 @@ def feed_token_ids(token_ids: Sequence[np.ndarray], first: np.ndarray, q: int) -
         known = min(q, len(tokens) - 1 - int(first[i]))
         ids[i, :known] = tokens[first[i] + offsets[:known]]
     return ids.reshape(-1)
-
-
-def greedy_chain(graphs: StepGraphs, live: list[int], limits: np.ndarray, last_pos: np.ndarray,
-                 block_ids: Sequence[Sequence[int]], out: torch.Tensor, tokens: torch.Tensor,
-                 drafts: list[list[int]]) -> None:
-    """Greedy drafts 2.. of a head-like proposer (its step reads the previous draft and its own
-    previous output) replayed from ``graphs``, after draft 1 (``tokens``, from ``out``): request
-    ``live[k]`` drafts up to ``limits[live[k]]`` tokens at positions ``last_pos + 1, ...``. One
-    device-to-host read at the end appends them all to ``drafts``."""
-    steps = [(live, tokens)]
-    for step in range(1, int(limits[live].max())):
-        keep = [k for k, i in enumerate(live) if limits[i] > step]
-        if len(keep) < len(live):
-            index = torch.as_tensor(keep, device=tokens.device)
-            tokens, out, live = tokens[index], out[index], [live[k] for k in keep]
-        out, tokens = graphs.run(tokens, last_pos[live] + step, [block_ids[i] for i in live], out)
-        out, tokens = out.clone(), tokens.clone()
-        steps.append((live, tokens))
-    collect_drafts(steps, drafts)
 
 
 def collect_drafts(steps: list[tuple[list[int], torch.Tensor]], drafts: list[list[int]]) -> None:

@@ -172,20 +172,42 @@ def _eager_step_graphs(**kwargs: Any) -> Any:
     return graphs
 
 
+def _eager_chain_graphs(**kwargs: Any) -> Any:
+    """:class:`ChainGraphs` whose "graphs" run the chain eagerly on its static buffers."""
+    from specloop.proposers.step_graphs import ChainGraphs
+
+    class EagerChainGraphs(ChainGraphs):
+        def capture(self) -> None:
+            for size in self.sizes:
+                self.graphs[size] = _EagerReplay(self, size)
+
+    class _EagerReplay:
+        def __init__(self, graphs: Any, size: int) -> None:
+            self.graphs, self.size = graphs, size
+
+        def replay(self) -> None:
+            with torch.inference_mode():
+                self.graphs.outputs[self.size] = self.graphs.chain(self.size)
+
+    graphs = EagerChainGraphs(**kwargs)
+    graphs.capture()
+    return graphs
+
+
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
     """The greedy graph paths of a head-like proposer (EAGLE-3, MTP: the uniform first step over
-    every target row, the further steps chained on the device), run eagerly on the graphs' static
-    buffers under the Triton kernels: the same drafts, step by step, as the proposer's eager path,
-    and the same output as without drafts."""
+    every target row, the further steps as one chain with positions and slots computed on the
+    device), run eagerly on the graphs' static buffers under the Triton kernels: the same drafts,
+    step by step, as the proposer's eager path, and the same output as without drafts."""
     from pathlib import Path
 
     from specloop import LLM, SamplingParams
 
     root = Path(__file__).resolve().parent.parent / "default_models"
     if method == "mtp":
-        path, spec = str(root / "specloop-tiny-mtp"), {"method": "mtp", "num_speculative_tokens": 2}
+        path, spec = str(root / "specloop-tiny-mtp"), {"method": "mtp", "num_speculative_tokens": 3}
     else:
-        path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 2,
+        path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
                                                    "model": str(root / f"specloop-tiny-{method}")}
     batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -201,11 +223,14 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 if mode == "graphs":
                     c = llm.config
                     width = prop.hidden_size if method == "mtp" else prop.head_config.hidden_size
-                    common = dict(device=prop.device, max_reqs=c.max_num_seqs, max_len=c.max_model_len + 3,
-                                  block_size=prop.block_size, extra=[((width,), prop.dtype)])
-                    prop.graphs = _eager_step_graphs(fn=prop._step, **common)
-                    prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q, **common)
-                                        for q in (1, 2, 3)}
+                    common = dict(device=prop.device, max_reqs=c.max_num_seqs, max_len=c.max_model_len + 4,
+                                  block_size=prop.block_size)
+                    prop.graphs_on = True
+                    prop.chain = _eager_chain_graphs(fn=prop._step, num_steps=2, state=((width,), prop.dtype),
+                                                     **common)
+                    prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q,
+                                                              extra=[((width,), prop.dtype)], **common)
+                                        for q in (1, 2, 3, 4)}
                 seen: list = []
                 propose = prop.propose
                 prop.propose = _recording(propose, seen)
@@ -214,13 +239,13 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
             if mode != "none":
                 drafts[mode] = seen
             if mode == "graphs":
-                replays = {"steps": prop.graphs.num_replays,
+                replays = {"steps": prop.chain.num_replays,
                            **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()}}
         finally:
             llm.core.shutdown()
     assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
     assert drafts["graphs"] == drafts["eager"], (method, drafts)
-    assert replays["steps"] > 0 and replays["feed q=3"] > 0, replays
+    assert replays["steps"] > 0 and replays["feed q=4"] > 0, replays
 
 
 def _recording(propose: Any, seen: list) -> Any:

@@ -131,7 +131,7 @@ def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str) -> None:
             assert llm.get_metrics()["spec_acceptance_rate"] > 0.2
             assert llm.core.runner.parts.executor.num_replays > 0, "verification steps did not use CUDA graphs"
             proposer = llm.core.runner.drafter.proposer
-            assert proposer.graphs.num_replays > 0, "MTP draft steps did not replay CUDA graphs"
+            assert proposer.chain.num_replays > 0, "MTP draft steps did not replay CUDA graphs"
             assert sum(g.num_replays for g in proposer.feed_graphs.values()) > 0, \
                 "the MTP layer's first step did not replay CUDA graphs"
         llm.core.shutdown()

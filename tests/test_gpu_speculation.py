@@ -85,7 +85,7 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
     metrics = llm.get_metrics()
     runner = llm.core.runner
     verify_replays = runner.parts.executor.num_replays
-    graphs = getattr(runner.drafter.proposer, "graphs", None)
+    graphs = getattr(runner.drafter.proposer, "chain", None) or getattr(runner.drafter.proposer, "graphs", None)
     draft_replays = graphs.num_replays if graphs is not None else None
     feeds = getattr(runner.drafter.proposer, "feed_graphs", {})
     feed_replays = sum(g.num_replays for g in feeds.values())
