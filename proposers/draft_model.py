@@ -12,9 +12,14 @@ accepts ``a`` drafts, the request has ``L' = L + a + 1`` tokens and the draft KV
 rejected one was not. The next proposal feeds everything from there (the newest tokens, or a whole
 prompt after admission), then one token per further draft. Rejected slots are simply overwritten.
 
-On CUDA with the Triton attention backend, the steps after the first (one token per request) replay
-CUDA graphs (``proposers.step_graphs``) when every drafting request is plain greedy: each step's
-argmax feeds the next on the device and the host reads the drafts once, at the end.
+On CUDA with the Triton attention backend greedy drafting replays CUDA graphs
+(``proposers.step_graphs``) when every drafting request is plain greedy. The first step of a steady
+decode or verification step feeds one or two tokens a request (two when every draft was accepted:
+the last draft, never fed, and the target's token); the graph feeds every request the longest
+feed's count, its newest tokens, re-feeding a position whose entry is already valid where a
+request needs fewer (the same token at the same position: the same entry). Drafts 2..K replay as
+one graph (``ChainGraphs``), each step's argmax feeding the next on the device; the host reads the
+drafts once, at the end. A longer feed (a prompt after admission) runs eagerly.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import StepGraphs, collect_drafts, graphs_wanted
+from .step_graphs import ChainGraphs, StepGraphs, graphs_wanted, greedy_drafts
 
 
 class DraftModelProposer(Proposer):
     """``speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``;
     ``draft_dtype`` overrides the target's dtype for the draft."""
+
+    FEED_ROWS = (1, 2)  # tokens per request a steady step's first draft step feeds
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -56,6 +63,9 @@ class DraftModelProposer(Proposer):
         self.ops = context.ops
         self.block_size = context.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
+        self.chain: ChainGraphs | None = None  # drafts 2..K
+        self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by tokens per request
         # Per request: positions whose draft KV was written by the last proposal (an upper bound on
         # what is still valid; see the module docstring).
         self.num_written: dict[str, int] = {}
@@ -67,18 +77,41 @@ class DraftModelProposer(Proposer):
         mc = self.model_config
         shape = mc.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.graphs = None
-        if graphs_wanted(self.config, self.device, self.attn_backend):
-            c = self.config
-            self.graphs = StepGraphs(self._step, self.device, c.max_num_seqs,
-                                     (c.max_model_len or 2048) + self.num_speculative_tokens + 1, self.block_size)
-            self.graphs.capture()
+        self.chain, self.feed_graphs = None, {}
+        self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
+        if not self.graphs_on:
+            return
+        c, k = self.config, self.num_speculative_tokens
+        max_len = (c.max_model_len or 2048) + k + 1
+        self._no_state = torch.zeros(c.max_num_seqs, 1, dtype=self.dtype, device=self.device)
+        pool = None
+        if k > 1:
+            self.chain = ChainGraphs(self._chain_step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
+                                     ((1,), self.dtype))
+            self.chain.capture()
+            pool = self.chain.pool
+        for q in self.FEED_ROWS:
+            graphs = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
+                                rows_per_req=q, pool=pool)
+            graphs.capture()
+            pool = graphs.pool
+            self.feed_graphs[q] = graphs
 
-    def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor]:
-        """One token per request: the argmax of the draft model's next-token logits."""
-        hidden, _ = self.model(token_ids, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops))
-        return (self.model.compute_logits(hidden).argmax(dim=-1),)
+    def _context(self, meta: AttentionMetadata) -> ForwardContext:
+        return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
+
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor]:
+        """``q`` tokens per request: the argmax of the draft's next-token logits after each one's last."""
+        hidden, _ = self.model(token_ids, positions, self._context(meta))
+        last = hidden.view(-1, meta.max_query_len, hidden.shape[-1])[:, -1]
+        return (self.model.compute_logits(last).argmax(dim=-1),)
+
+    def _chain_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request: the argmax of the draft's next-token logits (no state to carry)."""
+        hidden, _ = self.model(token_ids, positions, self._context(meta))
+        return state, self.model.compute_logits(hidden).argmax(dim=-1)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -98,7 +131,7 @@ class DraftModelProposer(Proposer):
             rid = inputs.req_ids[i]
             valid = min(self.num_written.get(rid, 0), lengths[i] - 1)
             feed[i] = (valid, inputs.token_ids[i][valid:].tolist())
-        if self.graphs is not None and self.graphs.fits(len(active)) and plain_greedy(inputs, active):
+        if self._graphed(active, limits) and plain_greedy(inputs, active):
             self._propose_greedy_graphs(inputs, active, limits, lengths, feed, drafts)
             for i in active:
                 self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
@@ -119,22 +152,30 @@ class DraftModelProposer(Proposer):
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits, lengths: dict[int, int],
-                               feed: dict[int, tuple[int, list[int]]], drafts: list[list[int]]) -> None:
-        """Greedy drafts with steps 1.. replayed from graphs; one device-to-host read at the end."""
+    def _graphed(self, active: list[int], limits: np.ndarray) -> bool:
+        """Whether the greedy drafts of ``active`` come from graphs (one draft needs no chain)."""
+        if not self.graphs_on:
+            return False
+        return int(limits[active].max()) <= 1 or (self.chain is not None and self.chain.fits(len(active)))
+
+    def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits: np.ndarray,
+                               lengths: dict[int, int], feed: dict[int, tuple[int, list[int]]],
+                               drafts: list[list[int]]) -> None:
+        """Greedy drafts from graphs (the first step too when the feeds are short); one
+        device-to-host read at the end."""
+        q = max(len(feed[i][1]) for i in active)
+        graphs = self.feed_graphs.get(q)
         with torch.inference_mode():
-            tokens = self._logits(self._forward(inputs, active, feed)).argmax(dim=-1)
-            steps = [(active, tokens)]
-            live = active
-            for step in range(1, int(limits.max())):
-                keep = [k for k, i in enumerate(live) if limits[i] > step]
-                if len(keep) < len(live):
-                    tokens = tokens[torch.as_tensor(keep, device=self.device)]
-                    live = [live[k] for k in keep]
-                positions = np.array([lengths[i] + step - 1 for i in live], dtype=np.int64)
-                tokens = self.graphs.run(tokens, positions, [inputs.block_ids[i] for i in live])[0].clone()
-                steps.append((live, tokens))
-            collect_drafts(steps, drafts)
+            if graphs is not None and graphs.fits(len(active)):
+                first = np.array([lengths[i] - q for i in active], dtype=np.int64)
+                ids = np.concatenate([inputs.token_ids[i][lengths[i] - q:] for i in active]).astype(np.int64)
+                tokens = graphs.run(torch.from_numpy(ids).to(self.device), first,
+                                    [inputs.block_ids[i] for i in active])[0][:len(active)]  # one per request
+            else:
+                tokens = self._logits(self._forward(inputs, active, feed)).argmax(dim=-1)
+            newest = np.array([len(t) - 1 for t in inputs.token_ids], dtype=np.int64)
+            greedy_drafts(self.chain, active, limits, newest, inputs.block_ids, self._no_state[:len(active)],
+                          tokens, drafts)
 
     def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]
                  ) -> torch.Tensor:

@@ -195,9 +195,9 @@ def _eager_chain_graphs(**kwargs: Any) -> Any:
 
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
-    """The greedy graph paths of a head-like proposer (EAGLE-3, MTP: the uniform first step over
-    every target row, the further steps as one chain with positions and slots computed on the
-    device), run eagerly on the graphs' static buffers under the Triton kernels: the same drafts,
+    """The greedy graph paths of a proposer (EAGLE-3 and MTP: the uniform first step over every
+    target row; the draft model: its first step over its newest one or two tokens; all: the
+    further steps as one chain with positions and slots computed on the device), run eagerly on the graphs' static buffers under the Triton kernels: the same drafts,
     step by step, as the proposer's eager path, and the same output as without drafts."""
     from pathlib import Path
 
@@ -206,6 +206,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     root = Path(__file__).resolve().parent.parent / "default_models"
     if method == "mtp":
         path, spec = str(root / "specloop-tiny-mtp"), {"method": "mtp", "num_speculative_tokens": 3}
+    elif method == "draft_model":
+        path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
+                                                   "model": str(root / "specloop-tiny-draft")}
     else:
         path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
                                                    "model": str(root / f"specloop-tiny-{method}")}
@@ -222,15 +225,22 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
                 if mode == "graphs":
                     c = llm.config
-                    width = prop.hidden_size if method == "mtp" else prop.head_config.hidden_size
                     common = dict(device=prop.device, max_reqs=c.max_num_seqs, max_len=c.max_model_len + 4,
                                   block_size=prop.block_size)
                     prop.graphs_on = True
-                    prop.chain = _eager_chain_graphs(fn=prop._step, num_steps=2, state=((width,), prop.dtype),
-                                                     **common)
-                    prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q,
-                                                              extra=[((width,), prop.dtype)], **common)
-                                        for q in (1, 2, 3, 4)}
+                    if method == "draft_model":
+                        prop._no_state = torch.zeros(c.max_num_seqs, 1, dtype=prop.dtype)
+                        prop.chain = _eager_chain_graphs(fn=prop._chain_step, num_steps=2,
+                                                         state=((1,), prop.dtype), **common)
+                        prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q, **common)
+                                            for q in prop.FEED_ROWS}
+                    else:
+                        width = prop.hidden_size if method == "mtp" else prop.head_config.hidden_size
+                        prop.chain = _eager_chain_graphs(fn=prop._step, num_steps=2, state=((width,), prop.dtype),
+                                                         **common)
+                        prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q,
+                                                                  extra=[((width,), prop.dtype)], **common)
+                                            for q in (1, 2, 3, 4)}
                 seen: list = []
                 propose = prop.propose
                 prop.propose = _recording(propose, seen)
@@ -245,7 +255,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
             llm.core.shutdown()
     assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
     assert drafts["graphs"] == drafts["eager"], (method, drafts)
-    assert replays["steps"] > 0 and replays["feed q=4"] > 0, replays
+    assert replays["steps"] > 0 and replays["feed q=2"] > 0, replays
+    if method != "draft_model":
+        assert replays["feed q=4"] > 0, replays
 
 
 def _recording(propose: Any, seen: list) -> Any:
@@ -263,7 +275,7 @@ def _main() -> None:
         check_runner_matches_torch("cpu", "float32", variant)
     check_async_scheduling_matches_sync("cpu", "float32")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
-    for method in ("eagle3", "mtp"):
+    for method in ("eagle3", "mtp", "draft_model"):
         check_draft_graphs_match_eager("cpu", method)
     print("ok runner")
 
