@@ -38,7 +38,7 @@ from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import ChainGraphs, StepGraphs, graphs_wanted, greedy_drafts
+from .step_graphs import ChainGraphs, StepGraphs, graphs_wanted, greedy_drafts, greedy_graphed
 
 
 class DraftModelProposer(Proposer):
@@ -131,7 +131,7 @@ class DraftModelProposer(Proposer):
             rid = inputs.req_ids[i]
             valid = min(self.num_written.get(rid, 0), lengths[i] - 1)
             feed[i] = (valid, inputs.token_ids[i][valid:].tolist())
-        if self._graphed(active, limits) and plain_greedy(inputs, active):
+        if greedy_graphed(self.graphs_on, self.chain, limits[active]) and plain_greedy(inputs, active):
             self._propose_greedy_graphs(inputs, active, limits, lengths, feed, drafts)
             for i in active:
                 self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
@@ -151,12 +151,6 @@ class DraftModelProposer(Proposer):
             self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
-
-    def _graphed(self, active: list[int], limits: np.ndarray) -> bool:
-        """Whether the greedy drafts of ``active`` come from graphs (one draft needs no chain)."""
-        if not self.graphs_on:
-            return False
-        return int(limits[active].max()) <= 1 or (self.chain is not None and self.chain.fits(len(active)))
 
     def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits: np.ndarray,
                                lengths: dict[int, int], feed: dict[int, tuple[int, list[int]]],

@@ -43,7 +43,8 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, uniform_feed
+from .step_graphs import (ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, greedy_graphed,
+                          uniform_feed)
 
 
 class EagleProposer(Proposer):
@@ -116,7 +117,8 @@ class EagleProposer(Proposer):
                    hidden: torch.Tensor) -> tuple[torch.Tensor]:
         """The first step over ``q`` target rows per request: the head's output per row."""
         embeds = self.embed_tokens(token_ids).to(self.dtype)
-        return (self.head(embeds, hidden, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)),)
+        ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
+        return (self.head(embeds, hidden, positions, ctx),)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
@@ -147,7 +149,7 @@ class EagleProposer(Proposer):
         if not live:
             return DraftProposal(drafts, [None] * n)
         out = out[torch.as_tensor(last_rows[live], device=self.device)]
-        if self._chained(live, limits) and plain_greedy(inputs, live):
+        if greedy_graphed(self.graphs_on, self.chain, limits[live]) and plain_greedy(inputs, live):
             greedy_drafts(self.chain, live, limits, last_pos, inputs.block_ids, out, self._argmax(out), drafts)
             return DraftProposal(drafts, [None] * n)
         for step in range(int(limits.max())):
@@ -166,12 +168,6 @@ class EagleProposer(Proposer):
                 if q is not None:
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
-
-    def _chained(self, live: list[int], limits: np.ndarray) -> bool:
-        """Whether the greedy drafts of ``live`` come from graphs (one draft needs none)."""
-        if not self.graphs_on:
-            return False
-        return int(limits[live].max()) <= 1 or (self.chain is not None and self.chain.fits(len(live)))
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs, counts: np.ndarray
                     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:

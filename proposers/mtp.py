@@ -45,7 +45,8 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, uniform_feed
+from .step_graphs import (ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, greedy_graphed,
+                          uniform_feed)
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -149,7 +150,7 @@ class MTPProposer(Proposer):
             out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
             hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
-            if live and self._chained(live, limits) and plain_greedy(inputs, live):
+            if live and greedy_graphed(self.graphs_on, self.chain, limits[live]) and plain_greedy(inputs, live):
                 last_pos = np.array([len(t) - 2 for t in inputs.token_ids], dtype=np.int64)
                 greedy_drafts(self.chain, live, limits, last_pos, inputs.block_ids, hidden, self._argmax(hidden, 0),
                               drafts)
@@ -185,12 +186,6 @@ class MTPProposer(Proposer):
         outs = [self._forward(inputs, range(inputs.num_reqs), positions, tokens, target_hidden, layer)
                 for layer in range(self.num_layers)]
         return outs[0], np.cumsum([len(r) for r in rows]) - 1
-
-    def _chained(self, live: list[int], limits: np.ndarray) -> bool:
-        """Whether the greedy drafts of ``live`` come from graphs (one draft needs none)."""
-        if not self.graphs_on:
-            return False
-        return int(limits[live].max()) <= 1 or (self.chain is not None and self.chain.fits(len(live)))
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs) -> tuple[torch.Tensor, np.ndarray]:
         """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request."""

@@ -281,6 +281,14 @@ class ChainGraphs:
         return self.outputs[size][:n]
 
 
+def greedy_graphed(graphs_on: bool, chain: ChainGraphs | None, limits: np.ndarray) -> bool:
+    """Whether greedy drafts up to ``limits`` (the live requests') come from graphs: the first
+    needs none of the chain's, the rest need a chain that fits."""
+    if not graphs_on:
+        return False
+    return int(limits.max()) <= 1 or (chain is not None and chain.fits(len(limits)))
+
+
 def greedy_drafts(chain: ChainGraphs | None, live: list[int], limits: np.ndarray, newest: np.ndarray,
                   block_ids: Sequence[Sequence[int]], state: torch.Tensor, tokens: torch.Tensor,
                   drafts: list[list[int]]) -> None:
