@@ -146,53 +146,42 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
+class _EagerReplay:
+    """Stands in for a captured graph: ``replay()`` runs ``forward(graphs, size)`` eagerly on the
+    graphs' static buffers and keeps its outputs where a replay leaves them."""
+
+    def __init__(self, graphs: Any, size: int, forward: Any) -> None:
+        self.graphs, self.size, self.forward = graphs, size, forward
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.graphs.outputs[self.size] = self.forward(self.graphs, self.size)
+
+
+def _eager_graphs(cls: Any, forward: Any, **kwargs: Any) -> Any:
+    """``cls`` (a graph set of ``proposers.step_graphs``) whose "graphs" run eagerly: the host-side
+    packing (positions, slots, context lengths, padding requests) is what each replay reads."""
+    graphs = cls(**kwargs)
+    graphs.graphs = {size: _EagerReplay(graphs, size, forward) for size in graphs.sizes}
+    return graphs
+
+
+def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
+    rows = size * g.q
+    outs = g._fn()(g._metadata(size), g.token_ids[:rows], g._packed[0, :rows], *(e[:rows] for e in g.extra))
+    return tuple(o.clone() for o in outs)
+
+
 def _eager_step_graphs(**kwargs: Any) -> Any:
-    """A :class:`StepGraphs` whose "graphs" run eagerly on its static buffers: the host-side
-    packing (positions, slots, context lengths, padding requests) is what a replay reads."""
     from specloop.proposers.step_graphs import StepGraphs
 
-    class EagerStepGraphs(StepGraphs):
-        def capture(self) -> None:
-            for size in self.sizes:
-                self.graphs[size] = _EagerReplay(self, size)
-
-    class _EagerReplay:
-        def __init__(self, graphs: Any, size: int) -> None:
-            self.graphs, self.size = graphs, size
-
-        def replay(self) -> None:
-            g, size = self.graphs, self.size
-            rows = size * g.q
-            with torch.inference_mode():
-                outs = g._fn()(g._metadata(size), g.token_ids[:rows], g._packed[0, :rows],
-                               *(e[:rows] for e in g.extra))
-            g.outputs[size] = tuple(o.clone() for o in outs)
-
-    graphs = EagerStepGraphs(**kwargs)
-    graphs.capture()
-    return graphs
+    return _eager_graphs(StepGraphs, _step_forward, **kwargs)
 
 
 def _eager_chain_graphs(**kwargs: Any) -> Any:
-    """:class:`ChainGraphs` whose "graphs" run the chain eagerly on its static buffers."""
     from specloop.proposers.step_graphs import ChainGraphs
 
-    class EagerChainGraphs(ChainGraphs):
-        def capture(self) -> None:
-            for size in self.sizes:
-                self.graphs[size] = _EagerReplay(self, size)
-
-    class _EagerReplay:
-        def __init__(self, graphs: Any, size: int) -> None:
-            self.graphs, self.size = graphs, size
-
-        def replay(self) -> None:
-            with torch.inference_mode():
-                self.graphs.outputs[self.size] = self.graphs.chain(self.size)
-
-    graphs = EagerChainGraphs(**kwargs)
-    graphs.capture()
-    return graphs
+    return _eager_graphs(ChainGraphs, lambda g, size: g.chain(size), **kwargs)
 
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
