@@ -8,9 +8,9 @@ positions, cache slots, context lengths, block tables and any extra per-request 
 hidden state). A call copies the live values in and replays the smallest graph that fits; rows
 past the live ones are padding that writes no KV and whose outputs are ignored.
 
-The token ids (and extra inputs) are copied device to device, so a greedy chain of drafts (argmax
-of step ``j`` feeding step ``j + 1``) runs without the host waiting between steps; the host reads
-all the drafts once at the end. The flash-decoding split count is fixed at capture for the longest
+The token ids (and extra inputs) are copied device to device. :class:`ChainGraphs` captures a
+whole greedy chain of drafts (argmax of step ``j`` feeding step ``j + 1``) as one graph; the host
+reads all the drafts once at the end. The flash-decoding split count is fixed at capture for the longest
 context, as in the target's graphs.
 
 The first step can be captured too when it is uniform: in a batch of decode or verification steps
@@ -325,17 +325,6 @@ def feed_token_ids(token_ids: Sequence[np.ndarray], first: np.ndarray, q: int) -
         known = min(q, len(tokens) - 1 - int(first[i]))
         ids[i, :known] = tokens[first[i] + offsets[:known]]
     return ids.reshape(-1)
-
-
-def collect_drafts(steps: list[tuple[list[int], torch.Tensor]], drafts: list[list[int]]) -> None:
-    """Append each step's device tokens (``(requests, tokens)``, one token per listed request) to
-    ``drafts``, with one device-to-host read for all steps."""
-    values = torch.cat([tokens for _, tokens in steps]).tolist()
-    first = 0
-    for rows, _ in steps:
-        for k, i in enumerate(rows):
-            drafts[i].append(values[first + k])
-        first += len(rows)
 
 
 def graphs_wanted(config: object, device: torch.device, attn_backend: object) -> bool:

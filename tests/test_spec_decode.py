@@ -14,6 +14,7 @@ import logging
 import os
 
 import hf_models
+import numpy as np
 import pytest
 import torch
 from tokenizer_helpers import build_tokenizer
@@ -354,13 +355,81 @@ def test_draft_padding_respects_limits_and_probabilities() -> None:
     assert torch.equal(probs[1][1:], torch.nn.functional.one_hot(torch.tensor([5, 5]), 16).float())
 
 
-def test_graph_drafts_are_collected_per_request_in_step_order() -> None:
-    """The graph drafting paths read every step's device tokens at once; requests that stop
-    drafting early (their limit) drop out of later steps."""
-    from specloop.proposers.step_graphs import collect_drafts, graph_sizes
+def test_graph_sizes() -> None:
+    from specloop.proposers.step_graphs import graph_sizes
 
-    drafts: list[list[int]] = [[], [], [], []]
-    steps = [([0, 2, 3], torch.tensor([10, 30, 40])), ([0, 3], torch.tensor([11, 41])), ([3], torch.tensor([42]))]
-    collect_drafts(steps, drafts)
-    assert drafts == [[10, 11], [], [30], [40, 41, 42]]
     assert graph_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and graph_sizes(3) == [1, 2, 3]
+
+
+def _recording_graphs(cls, forward, **kwargs):
+    """``cls`` with each "graph" run eagerly by ``forward(graphs, size)`` (no capture: CPU)."""
+
+    class Replay:
+        def __init__(self, graphs, size):
+            self.graphs, self.size = graphs, size
+
+        def replay(self):
+            self.graphs.outputs[self.size] = forward(self.graphs, self.size)
+
+    graphs = cls(**kwargs)
+    graphs.graphs = {size: Replay(graphs, size) for size in graphs.sizes}
+    return graphs
+
+
+def test_draft_chain_computes_positions_slots_and_lengths_on_the_device() -> None:
+    """The chain's steps see position newest + j + 1, the slot of that position in the request's
+    block table (-1 past its blocks), a context of position + 1, and each step's token feeds the
+    next; padding rows write nothing; drafts come back in request order, cut at each limit."""
+    from specloop.proposers.step_graphs import ChainGraphs, greedy_drafts
+
+    seen = []
+
+    def step(meta, tokens, positions, state):
+        seen.append((positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist()))
+        return state + 1, tokens * 10 + state[:, 0].long()
+
+    chain = _recording_graphs(ChainGraphs, lambda g, size: g.chain(size), fn=step, device=torch.device("cpu"),
+                              max_reqs=4, max_len=32, block_size=4, num_steps=3, state=((1,), torch.float32))
+    # Request a: newest position 5 in blocks [7, 2] (slots up to 7); request b: newest 2 in [3].
+    drafts = [[], [], []]
+    greedy_drafts(chain, [0, 2], np.array([4, 0, 2]), np.array([5, 0, 2]), [[7, 2], [], [3]],
+                  torch.zeros(2, 1), torch.tensor([1, 2]), drafts)
+    assert chain.num_replays == 1
+    assert seen == [
+        ([6, 3], [2 * 4 + 2, 3 * 4 + 3], [7, 4]),
+        ([7, 4], [2 * 4 + 3, -1], [8, 5]),  # b's position 4 is past its one block
+        ([8, 5], [-1, -1], [9, 6]),
+    ]
+    assert drafts == [[1, 10, 101, 1012], [], [2, 20]]
+
+
+def test_uniform_feed_graphs_pack_rows_of_consecutive_positions() -> None:
+    """A first step over q rows a request: positions first..first+q-1, their slots, one context
+    length per request; padding requests own q rows that write nothing."""
+    from specloop.proposers.step_graphs import StepGraphs, feed_token_ids, uniform_feed
+
+    seen = []
+
+    def feed(meta, tokens, positions, hidden):
+        seen.append((tokens.tolist(), positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist(),
+                     meta.query_start_loc.tolist(), hidden[:, 0].tolist()))
+        return (hidden * 2,)
+
+    graphs = _recording_graphs(StepGraphs, lambda g, size: g._fn()(g._metadata(size), g.token_ids[:size * g.q],
+                                                                  g._packed[0, :size * g.q], g.extra[0][:size * g.q]),
+                               fn=feed, device=torch.device("cpu"), max_reqs=4, max_len=32, block_size=4,
+                               extra=[((1,), torch.float32)], rows_per_req=2)
+    assert uniform_feed({2: graphs}, np.array([1, 1, 1]), np.array([0, 2, 4, 6])) is graphs
+    assert uniform_feed({2: graphs}, np.array([1, 0, 1]), np.array([0, 2, 4, 6])) is None  # a partial prefill
+    assert uniform_feed({2: graphs}, np.array([1, 1]), np.array([0, 2, 5])) is None  # ragged
+    ids = feed_token_ids([np.arange(10, 20), np.arange(30, 34), np.arange(50, 57)], np.array([7, 2, 5]), 2)
+    assert ids.tolist() == [18, 19, 33, 0, 56, 0]  # the token after each row's position, 0 past the known ones
+    out, = graphs.run(torch.tensor(ids), np.array([7, 2, 5]), [[1, 6, 8], [4], [0, 9]], torch.arange(6.0)[:, None])
+    tokens, positions, slots, lens, qsl, hidden = seen[0]
+    assert positions == [7, 8, 2, 3, 5, 6, 0, 1]  # a padding request at 0, 1
+    assert slots == [6 * 4 + 3, 8 * 4 + 0, 4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 1, 9 * 4 + 2, -1, -1]
+    assert lens == [9, 4, 7, 2] and qsl == [0, 2, 4, 6, 8]
+    assert tokens[:6] == ids.tolist() and hidden[:6] == list(range(6))
+    assert out[:, 0].tolist() == [0, 2, 4, 6, 8, 10]
+    with pytest.raises(RuntimeError, match="past the request's"):
+        graphs.run(torch.tensor(ids[:2]), np.array([7]), [[1, 6]], torch.zeros(2, 1))  # position 8 has no block
