@@ -70,7 +70,6 @@ class GrammarBackend(Protocol):
     # tokens on its own threads, without the GIL); the manager uses it when present.
 
 
-
 class StructuredOutputs:
     """Implements :class:`specloop.kernel.protocols.StructuredOutputManager` over a grammar backend.
 
