@@ -43,8 +43,8 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import (ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, greedy_graphed,
-                          uniform_feed)
+from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
+                          greedy_graphed, uniform_feed)
 
 
 class EagleProposer(Proposer):
@@ -95,16 +95,8 @@ class EagleProposer(Proposer):
                                          self.num_speculative_tokens - 1, hidden)
                 self.chain.capture()
                 pool = self.chain.pool
-            # The first step of decode and verification steps: q = 1 + the (padded) draft count.
-            budget = c.max_num_batched_tokens or c.max_num_seqs * (self.num_speculative_tokens + 1)
-            for q in range(1, self.num_speculative_tokens + 2):
-                if budget // q < 1:
-                    break
-                graphs = StepGraphs(self._feed_step, self.device, min(c.max_num_seqs, budget // q), max_len,
-                                    self.block_size, extra=[hidden], rows_per_req=q, pool=pool)
-                graphs.capture()
-                pool = graphs.pool
-                self.feed_graphs[q] = graphs
+            self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
+                                             self.num_speculative_tokens, [hidden], pool)
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

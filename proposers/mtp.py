@@ -45,8 +45,8 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import (ChainGraphs, StepGraphs, feed_token_ids, graphs_wanted, greedy_drafts, greedy_graphed,
-                          uniform_feed)
+from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
+                          greedy_graphed, uniform_feed)
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -112,15 +112,7 @@ class MTPProposer(Proposer):
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden)
             self.chain.capture()
             pool = self.chain.pool
-        budget = c.max_num_batched_tokens or c.max_num_seqs * (k + 1)
-        for q in range(1, k + 2):
-            if budget // q < 1:
-                break
-            graphs = StepGraphs(self._feed_step, self.device, min(c.max_num_seqs, budget // q), max_len,
-                                self.block_size, extra=[hidden], rows_per_req=q, pool=pool)
-            graphs.capture()
-            pool = graphs.pool
-            self.feed_graphs[q] = graphs
+        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden], pool)
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)

@@ -303,6 +303,26 @@ def greedy_drafts(chain: ChainGraphs | None, live: list[int], limits: np.ndarray
         drafts[i].extend(row[:int(limits[i])])
 
 
+def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int, block_size: int,
+                  num_speculative_tokens: int, extra: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                  pool: object = None) -> dict[int, StepGraphs]:
+    """The first-step graphs of a head-like proposer, by rows per request: ``q = 1 .. K + 1`` (one
+    plus the padded draft count of a decode or verification step), each for as many requests as
+    the step's token budget allows, all in one memory pool."""
+    max_reqs = config.max_num_seqs
+    budget = config.max_num_batched_tokens or max_reqs * (num_speculative_tokens + 1)
+    feeds: dict[int, StepGraphs] = {}
+    for q in range(1, num_speculative_tokens + 2):
+        if budget // q < 1:
+            break
+        graphs = StepGraphs(fn, device, min(max_reqs, budget // q), max_len, block_size, extra=extra,
+                            rows_per_req=q, pool=pool)
+        graphs.capture()
+        pool = graphs.pool
+        feeds[q] = graphs
+    return feeds
+
+
 def uniform_feed(feed_graphs: dict[int, StepGraphs], num_sampled: np.ndarray, query_start_loc: np.ndarray
                  ) -> StepGraphs | None:
     """The captured first step for a target step in which every request computed the same number

@@ -433,3 +433,18 @@ def test_uniform_feed_graphs_pack_rows_of_consecutive_positions() -> None:
     assert out[:, 0].tolist() == [0, 2, 4, 6, 8, 10]
     with pytest.raises(RuntimeError, match="past the request's"):
         graphs.run(torch.tensor(ids[:2]), np.array([7]), [[1, 6]], torch.zeros(2, 1))  # position 8 has no block
+
+
+def test_first_step_graphs_cover_every_draft_count_within_the_token_budget(monkeypatch) -> None:
+    """One feed graph set per q = 1 .. K + 1, each for as many requests as q rows each fit in the
+    step's token budget (at most max_num_seqs), all sharing one pool."""
+    from types import SimpleNamespace
+
+    from specloop.proposers import step_graphs
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda self: None)  # capture needs CUDA
+    config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=10)
+    feeds = step_graphs.capture_feeds(lambda *a: (), config, torch.device("cpu"), 64, 4, 3,
+                                      [((8,), torch.float32)], pool="shared")
+    assert {q: g.sizes[-1] for q, g in feeds.items()} == {1: 4, 2: 4, 3: 3, 4: 2}
+    assert all(g.q == q and g.pool == "shared" for q, g in feeds.items())
