@@ -85,17 +85,16 @@ class DraftModelProposer(Proposer):
         max_len = (c.max_model_len or 2048) + k + 1
         self._no_state = torch.zeros(c.max_num_seqs, 1, dtype=self.dtype, device=self.device)
         pool = None
-        if k > 1:
-            self.chain = ChainGraphs(self._chain_step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
-                                     ((1,), self.dtype))
-            self.chain.capture()
-            pool = self.chain.pool
         for q in self.FEED_ROWS:
             graphs = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
                                 rows_per_req=q, pool=pool)
             graphs.capture()
             pool = graphs.pool
             self.feed_graphs[q] = graphs
+        if k > 1:  # captured last, so that its replays leave the feeds' live outputs alone
+            self.chain = ChainGraphs(self._chain_step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
+                                     ((1,), self.dtype), pool=pool)
+            self.chain.capture()
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)

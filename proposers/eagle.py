@@ -44,7 +44,7 @@ from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draf
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
 from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
-                          greedy_graphed, uniform_feed)
+                          greedy_graphed, last_pool, uniform_feed)
 
 
 class EagleProposer(Proposer):
@@ -89,14 +89,12 @@ class EagleProposer(Proposer):
             c = self.config
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
-            pool = None
+            self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
+                                             self.num_speculative_tokens, [hidden])
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                         self.num_speculative_tokens - 1, hidden)
+                                         self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
                 self.chain.capture()
-                pool = self.chain.pool
-            self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
-                                             self.num_speculative_tokens, [hidden], pool)
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

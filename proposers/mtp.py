@@ -46,7 +46,7 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
-                          greedy_graphed, uniform_feed)
+                          greedy_graphed, last_pool, uniform_feed)
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -107,12 +107,11 @@ class MTPProposer(Proposer):
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         hidden = ((self.hidden_size,), self.dtype)
-        pool = None
+        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden])
         if self.num_layers == 1 and k > 1:
-            self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden)
+            self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
+                                     pool=last_pool(self.feed_graphs))
             self.chain.capture()
-            pool = self.chain.pool
-        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden], pool)
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)

@@ -296,7 +296,9 @@ def greedy_drafts(chain: ChainGraphs | None, live: list[int], limits: np.ndarray
     (from output state ``state``), and the rest from ``chain``; one device-to-host read."""
     if chain is not None and int(limits[live].max()) > 1:
         rest = chain.run(tokens, state, newest[live], [block_ids[i] for i in live])
-        tokens = torch.cat([tokens[:, None], rest], dim=1)
+        # ``tokens`` may be another graph's output in a pool the chain's replay reuses: read the
+        # chain's own copy of it.
+        tokens = torch.cat([chain.tokens[:len(live), None], rest], dim=1)
     values = tokens.tolist()
     for k, i in enumerate(live):
         row = values[k] if isinstance(values[k], list) else [values[k]]
@@ -321,6 +323,12 @@ def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int
         pool = graphs.pool
         feeds[q] = graphs
     return feeds
+
+
+def last_pool(feeds: dict[int, StepGraphs]) -> object:
+    """The memory pool the feed graphs were captured in (None if there are none). Graphs captured
+    later in it never reuse the memory of the feeds' outputs, which stay referenced."""
+    return feeds[max(feeds)].pool if feeds else None
 
 
 def uniform_feed(feed_graphs: dict[int, StepGraphs], num_sampled: np.ndarray, query_start_loc: np.ndarray

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hf_models import prompts, tiny
 from plans import Plans
@@ -148,22 +149,20 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
 
 class _EagerReplay:
     """Stands in for a captured graph: ``replay()`` runs ``forward(graphs, size)`` eagerly on the
-    graphs' static buffers and keeps its outputs where a replay leaves them."""
+    graphs' static buffers and keeps its outputs where a replay leaves them. Graphs of one proposer
+    share a memory pool, where a graph's replay may overwrite the outputs of any graph captured
+    after it (their memory was its scratch space at capture): the replay poisons those first."""
 
-    def __init__(self, graphs: Any, size: int, forward: Any) -> None:
-        self.graphs, self.size, self.forward = graphs, size, forward
+    def __init__(self, graphs: Any, size: int, forward: Any, captured: list) -> None:
+        self.graphs, self.size, self.forward, self.captured = graphs, size, forward, captured
 
     def replay(self) -> None:
+        for later in self.captured[self.captured.index(self.graphs) + 1:]:
+            for outs in later.outputs.values():
+                for out in outs if isinstance(outs, tuple) else (outs,):
+                    out.fill_(-(2 ** 40) if not out.is_floating_point() else float("nan"))
         with torch.inference_mode():
             self.graphs.outputs[self.size] = self.forward(self.graphs, self.size)
-
-
-def _eager_graphs(cls: Any, forward: Any, **kwargs: Any) -> Any:
-    """``cls`` (a graph set of ``proposers.step_graphs``) whose "graphs" run eagerly: the host-side
-    packing (positions, slots, context lengths, padding requests) is what each replay reads."""
-    graphs = cls(**kwargs)
-    graphs.graphs = {size: _EagerReplay(graphs, size, forward) for size in graphs.sizes}
-    return graphs
 
 
 def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
@@ -172,16 +171,22 @@ def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
     return tuple(o.clone() for o in outs)
 
 
-def _eager_step_graphs(**kwargs: Any) -> Any:
-    from specloop.proposers.step_graphs import StepGraphs
+def _eager_captures(monkeypatch: Any) -> list:
+    """Make proposers capture eager stand-ins (in their own capture order) wherever they would
+    capture CUDA graphs; returns the graph sets in capture order."""
+    from specloop.proposers import draft_model, eagle, mtp, step_graphs
 
-    return _eager_graphs(StepGraphs, _step_forward, **kwargs)
+    captured: list = []
 
+    def capture(graphs: Any, forward: Any) -> None:
+        captured.append(graphs)
+        graphs.graphs = {size: _EagerReplay(graphs, size, forward, captured) for size in graphs.sizes}
 
-def _eager_chain_graphs(**kwargs: Any) -> Any:
-    from specloop.proposers.step_graphs import ChainGraphs
-
-    return _eager_graphs(ChainGraphs, lambda g, size: g.chain(size), **kwargs)
+    monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda g: capture(g, _step_forward))
+    monkeypatch.setattr(step_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
+    for module in (draft_model, eagle, mtp):
+        monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
+    return captured
 
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
@@ -207,31 +212,18 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs, drafts, replays = {}, {}, {}
     for mode in ("none", "eager", "graphs"):
-        llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                  max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec)
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            captured = _eager_captures(monkeypatch) if mode == "graphs" else []
+            llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
+                      max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec)
         try:
             if mode != "none":
                 runner = llm.core.runner
                 prop = runner.drafter.proposer
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
-                if mode == "graphs":
-                    c = llm.config
-                    common = dict(device=prop.device, max_reqs=c.max_num_seqs, max_len=c.max_model_len + 4,
-                                  block_size=prop.block_size)
-                    prop.graphs_on = True
-                    if method == "draft_model":
-                        prop._no_state = torch.zeros(c.max_num_seqs, 1, dtype=prop.dtype)
-                        prop.chain = _eager_chain_graphs(fn=prop._chain_step, num_steps=2,
-                                                         state=((1,), prop.dtype), **common)
-                        prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q, **common)
-                                            for q in prop.FEED_ROWS}
-                    else:
-                        width = prop.hidden_size if method == "mtp" else prop.head_config.hidden_size
-                        prop.chain = _eager_chain_graphs(fn=prop._step, num_steps=2, state=((width,), prop.dtype),
-                                                         **common)
-                        prop.feed_graphs = {q: _eager_step_graphs(fn=prop._feed_step, rows_per_req=q,
-                                                                  extra=[((width,), prop.dtype)], **common)
-                                            for q in (1, 2, 3, 4)}
+                # the feeds' graph sets, then the chain's (captured last)
+                assert prop.graphs_on is (mode == "graphs")
+                assert captured == ([*prop.feed_graphs.values(), prop.chain] if mode == "graphs" else []), captured
                 seen: list = []
                 propose = prop.propose
                 prop.propose = _recording(propose, seen)
