@@ -17,9 +17,10 @@ On CUDA with the Triton attention backend greedy drafting replays CUDA graphs
 decode or verification step feeds one or two tokens a request (two when every draft was accepted:
 the last draft, never fed, and the target's token); the graph feeds every request the longest
 feed's count, its newest tokens, re-feeding a position whose entry is already valid where a
-request needs fewer (the same token at the same position: the same entry). Drafts 2..K replay as
-one graph (``ChainGraphs``), each step's argmax feeding the next on the device; the host reads the
-drafts once, at the end. A longer feed (a prompt after admission) runs eagerly.
+request needs fewer (the same token at the same position: the same entry). Drafts 2..K follow in
+the same graph (``ProposalGraphs``), each step's argmax feeding the next on the device; the host
+reads the drafts once, at the end. A longer feed (a prompt after admission) runs eagerly, and the
+drafts after it replay one graph of their own (``ChainGraphs``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import ChainGraphs, StepGraphs, graphs_wanted, greedy_drafts, greedy_graphed
+from .step_graphs import ChainGraphs, ProposalGraphs, graphs_wanted, greedy_drafts, greedy_graphed, take_drafts
 
 
 class DraftModelProposer(Proposer):
@@ -65,7 +66,7 @@ class DraftModelProposer(Proposer):
         self.kv_caches: list[torch.Tensor] = []
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
-        self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by tokens per request
+        self.feed_graphs: dict[int, ProposalGraphs] = {}  # whole proposals, by tokens fed per request
         # Per request: positions whose draft KV was written by the last proposal (an upper bound on
         # what is still valid; see the module docstring).
         self.num_written: dict[str, int] = {}
@@ -83,17 +84,16 @@ class DraftModelProposer(Proposer):
             return
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
-        self._no_state = torch.zeros(c.max_num_seqs, 1, dtype=self.dtype, device=self.device)
         pool = None
         for q in self.FEED_ROWS:
-            graphs = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                rows_per_req=q, pool=pool)
+            graphs = ProposalGraphs(self._feed_step, self._chain_step, self._argmax, self.device, c.max_num_seqs,
+                                    max_len, self.block_size, k - 1, rows_per_req=q, pool=pool)
             graphs.capture()
             pool = graphs.pool
             self.feed_graphs[q] = graphs
         if k > 1:  # captured last, so that its replays leave the feeds' live outputs alone
             self.chain = ChainGraphs(self._chain_step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
-                                     ((1,), self.dtype), pool=pool)
+                                     ((self.model_config.hidden_size,), self.dtype), pool=pool)
             self.chain.capture()
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
@@ -101,16 +101,17 @@ class DraftModelProposer(Proposer):
 
     def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
                    ) -> tuple[torch.Tensor]:
-        """``q`` tokens per request: the argmax of the draft's next-token logits after each one's last."""
-        hidden, _ = self.model(token_ids, positions, self._context(meta))
-        last = hidden.view(-1, meta.max_query_len, hidden.shape[-1])[:, -1]
-        return (self.model.compute_logits(last).argmax(dim=-1),)
+        """``q`` tokens per request: the draft's hidden state after each."""
+        return (self.model(token_ids, positions, self._context(meta))[0],)
 
     def _chain_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per request: the argmax of the draft's next-token logits (no state to carry)."""
+        """One token per request: its hidden state and the argmax of its next-token logits."""
         hidden, _ = self.model(token_ids, positions, self._context(meta))
-        return state, self.model.compute_logits(hidden).argmax(dim=-1)
+        return hidden, self._argmax(hidden)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).argmax(dim=-1)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -154,21 +155,21 @@ class DraftModelProposer(Proposer):
     def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits: np.ndarray,
                                lengths: dict[int, int], feed: dict[int, tuple[int, list[int]]],
                                drafts: list[list[int]]) -> None:
-        """Greedy drafts from graphs (the first step too when the feeds are short); one
-        device-to-host read at the end."""
+        """Greedy drafts from graphs: the whole proposal in one when the feeds are short (a steady
+        step), else an eager first step and the chain; one device-to-host read at the end."""
         q = max(len(feed[i][1]) for i in active)
         graphs = self.feed_graphs.get(q)
         with torch.inference_mode():
             if graphs is not None and graphs.fits(len(active)):
                 first = np.array([lengths[i] - q for i in active], dtype=np.int64)
                 ids = np.concatenate([inputs.token_ids[i][lengths[i] - q:] for i in active]).astype(np.int64)
-                tokens = graphs.run(torch.from_numpy(ids).to(self.device), first,
-                                    [inputs.block_ids[i] for i in active])[0][:len(active)]  # one per request
-            else:
-                tokens = self._logits(self._forward(inputs, active, feed)).argmax(dim=-1)
+                tokens = graphs.propose(torch.from_numpy(ids).to(self.device), first,
+                                        [inputs.block_ids[i] for i in active], np.full(len(active), q))[1]
+                take_drafts(tokens[:len(active)].tolist(), active, limits, drafts)
+                return
+            hidden = self._forward(inputs, active, feed)
             newest = np.array([len(t) - 1 for t in inputs.token_ids], dtype=np.int64)
-            greedy_drafts(self.chain, active, limits, newest, inputs.block_ids, self._no_state[:len(active)],
-                          tokens, drafts)
+            greedy_drafts(self.chain, active, limits, newest, inputs.block_ids, hidden, self._argmax(hidden), drafts)
 
     def _forward(self, inputs: ProposerInputs, live: list[int], feed: dict[int, tuple[int, list[int]]]
                  ) -> torch.Tensor:

@@ -22,10 +22,13 @@ that request's acceptance can dip. (vLLM recomputes the last hit block instead.)
 Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
 step feeds one draft at the next position with the previous step's output as its hidden state.
 Drafts are drawn with the request's sampling processing and report their distribution (``draw``).
-On CUDA with the Triton attention backend the first step of a uniform decode or verification step
-replays a graph over every target row, and when every drafting request is plain greedy the steps
-after it replay as one graph (``proposers.step_graphs.ChainGraphs``): each step's output and argmax
-feed the next on the device, and the host reads the drafts once, at the end.
+On CUDA with the Triton attention backend a uniform decode or verification step's proposal replays
+one graph (``proposers.step_graphs.ProposalGraphs``): the first step over every target row, each
+request's output at its newest accepted row, its argmax, and the further steps, each step's output
+and argmax feeding the next on the device. When every drafting request is plain greedy those are
+the drafts, read once; otherwise the further steps are drawn eagerly from the graph's first-step
+outputs. After a step that is not uniform (a prompt chunk) the first step runs eagerly and the
+greedy further steps replay one graph (``ChainGraphs``).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
-                          greedy_graphed, last_pool, uniform_feed)
+from .step_graphs import (ChainGraphs, ProposalGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted,
+                          greedy_drafts, greedy_graphed, last_pool, take_drafts, uniform_feed)
 
 
 class EagleProposer(Proposer):
@@ -90,7 +93,8 @@ class EagleProposer(Proposer):
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
             self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
-                                             self.num_speculative_tokens, [hidden])
+                                             self.num_speculative_tokens, [hidden], step=self._step,
+                                             argmax=self._argmax)
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
                                          self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
@@ -121,8 +125,15 @@ class EagleProposer(Proposer):
         qsl = inputs.query_start_loc
         counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
         feed = uniform_feed(self.feed_graphs, inputs.num_sampled, qsl)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
+        live = [i for i in range(n) if limits[i] > 0]
         if feed is not None:
-            out, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
+            out, greedy, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
+            if live and self.graphs_on and plain_greedy(inputs, live):
+                rows = greedy[:n].tolist()  # the whole proposal was in the graph
+                take_drafts([rows[i] for i in live], live, limits, drafts)
+                return DraftProposal(drafts, [None] * n)
         else:
             rows = np.concatenate([np.arange(qsl[i], qsl[i] + counts[i]) for i in range(n)])
             positions = inputs.positions[rows]
@@ -133,9 +144,6 @@ class EagleProposer(Proposer):
             last_pos = positions[last_rows]
             hidden = self._target_hidden(inputs, torch.as_tensor(rows, device=self.device))
             out = self._forward(inputs, list(range(n)), next_ids, hidden, positions, feed_qsl.tolist())
-        drafts: list[list[int]] = [[] for _ in range(n)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
-        live = [i for i in range(n) if limits[i] > 0]
         if not live:
             return DraftProposal(drafts, [None] * n)
         out = out[torch.as_tensor(last_rows[live], device=self.device)]
@@ -159,17 +167,19 @@ class EagleProposer(Proposer):
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs, counts: np.ndarray
-                    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    def _feed_graph(self, inputs: ProposerInputs, feed: ProposalGraphs, counts: np.ndarray
+                    ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
         """The uniform first step replayed from a graph: all ``q`` rows of every request, the rows
         of rejected drafts included (their cache entries lie past the accepted tokens, where this
-        step's drafts and the next feed write before anything reads). Returns the outputs, each
-        request's row of its last accepted position, and that position."""
+        step's drafts and the next feed write before anything reads), and the greedy drafts from
+        there. Returns the outputs, the greedy drafts, each request's row of its last accepted
+        position, and that position."""
         n, q = inputs.num_reqs, feed.q
         first = inputs.positions[inputs.query_start_loc[:-1]]
         ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
-        out, = feed.run(ids, first, inputs.block_ids[:n], self._target_hidden(inputs, slice(0, n * q)))
-        return out, np.arange(n) * q + counts - 1, first + counts - 1
+        out, greedy = feed.propose(ids, first, inputs.block_ids[:n], counts,
+                                   self._target_hidden(inputs, slice(0, n * q)))
+        return out, greedy, np.arange(n) * q + counts - 1, first + counts - 1
 
     def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor | slice) -> torch.Tensor:
         head = self.head

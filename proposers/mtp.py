@@ -23,8 +23,9 @@ On CUDA with the Triton attention backend both kinds of step replay CUDA graphs
 rows (decode and verification steps, drafts padded to one count), over all of those rows, the
 rejected ones included (their cache rows lie past the verified positions, where this step's drafts
 and the next step write before anything reads them); the further steps of a one-layer checkpoint
-as one graph (``ChainGraphs``) when every drafting request is plain greedy, each step's argmax and
-output feeding the next on the device.
+when every drafting request is plain greedy, each step's argmax and output feeding the next on the
+device: in the same graph as that first step (``ProposalGraphs``), or after an eager first step as
+one graph of their own (``ChainGraphs``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import (ChainGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted, greedy_drafts,
-                          greedy_graphed, last_pool, uniform_feed)
+from .step_graphs import (ChainGraphs, ProposalGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted,
+                          greedy_drafts, greedy_graphed, last_pool, take_drafts, uniform_feed)
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -107,7 +108,10 @@ class MTPProposer(Proposer):
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         hidden = ((self.hidden_size,), self.dtype)
-        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden])
+        # A one-layer checkpoint's greedy proposal replays whole (ProposalGraphs).
+        one = self.num_layers == 1
+        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden],
+                                         step=self._step if one else None, argmax=self._first_argmax if one else None)
         if self.num_layers == 1 and k > 1:
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
                                      pool=last_pool(self.feed_graphs))
@@ -129,6 +133,9 @@ class MTPProposer(Proposer):
         out = self.model(self.embed_tokens(token_ids).to(self.dtype), positions, hidden, self._context(meta), 0)
         return out, self._argmax(out, 0)
 
+    def _first_argmax(self, out: torch.Tensor) -> torch.Tensor:
+        return self._argmax(out, 0)
+
     def _argmax(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         return self.lm_head(self.model.logits_input(out, self.ops, layer).to(self.target_dtype)).argmax(dim=-1)
 
@@ -138,8 +145,12 @@ class MTPProposer(Proposer):
         probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
         with torch.inference_mode():
             feed = uniform_feed(self.feed_graphs, inputs.num_sampled, inputs.query_start_loc)
-            out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
+            if isinstance(feed, ProposalGraphs) and live and plain_greedy(inputs, live):
+                rows = self._feed_graph(inputs, feed)[1][:inputs.num_reqs].tolist()  # the whole proposal
+                take_drafts([rows[i] for i in live], live, limits, drafts)
+                return DraftProposal(drafts, [None] * inputs.num_reqs)
+            out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)[::2]
             hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
             if live and greedy_graphed(self.graphs_on, self.chain, limits[live]) and plain_greedy(inputs, live):
                 last_pos = np.array([len(t) - 2 for t in inputs.token_ids], dtype=np.int64)
@@ -178,13 +189,20 @@ class MTPProposer(Proposer):
                 for layer in range(self.num_layers)]
         return outs[0], np.cumsum([len(r) for r in rows]) - 1
 
-    def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs) -> tuple[torch.Tensor, np.ndarray]:
-        """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request."""
+    def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+        """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request (and,
+        from :class:`ProposalGraphs`, the greedy drafts). Returns layer 0's outputs, the greedy
+        drafts (or None) and each request's row of its newest verified position."""
         n, q = inputs.num_reqs, feed.q
         first = inputs.positions[inputs.query_start_loc[:-1]]
         ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
-        out, = feed.run(ids, first, inputs.block_ids[:n], inputs.hidden_states[:n * q])
-        return out, np.arange(n) * q + (q - 1 - inputs.num_rejected)
+        accepted = q - inputs.num_rejected
+        if isinstance(feed, ProposalGraphs):
+            out, greedy = feed.propose(ids, first, inputs.block_ids[:n], accepted, inputs.hidden_states[:n * q])
+        else:
+            (out,), greedy = feed.run(ids, first, inputs.block_ids[:n], inputs.hidden_states[:n * q]), None
+        return out, greedy, np.arange(n) * q + accepted - 1
 
     def _run_draft(self, inputs: ProposerInputs, live: list[int], step: int, tokens: list[int],
                    hidden: torch.Tensor) -> torch.Tensor:

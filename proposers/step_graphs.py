@@ -46,6 +46,8 @@ def graph_sizes(max_reqs: int) -> list[int]:
 
 
 class StepGraphs:
+    ROWS = 3  # int64 rows copied in per call: positions, slots, context lengths (first n)
+
     def __init__(self, fn: StepFn, device: torch.device, max_reqs: int, max_len: int, block_size: int,
                  extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = (), rows_per_req: int = 1,
                  pool: object = None) -> None:
@@ -65,12 +67,12 @@ class StepGraphs:
         # [positions | slots | seq_lens (first n)] in one host-to-device copy, block tables in
         # another, from pinned buffers used in turn: a buffer is rewritten only after its last copy ran.
         pinned = device.type == "cuda"
-        self._host = [torch.zeros(3, n * q, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._host = [torch.zeros(self.ROWS, n * q, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._host_tables = [torch.zeros(n, self.max_blocks, dtype=torch.int32, pin_memory=pinned)
                              for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
-        self._packed = torch.zeros(3, n * q, **i64)
+        self._packed = torch.zeros(self.ROWS, n * q, **i64)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
@@ -84,22 +86,25 @@ class StepGraphs:
     def capture(self) -> None:
         pool, q = self.pool, self.q
         for size in sorted(self.sizes, reverse=True):
-            meta = self._metadata(size)
             graph = torch.cuda.CUDAGraph()
-            args = (self.token_ids[:size * q], self._packed[0, :size * q], *(e[:size * q] for e in self.extra))
             with torch.inference_mode():
                 self._fill_padding(0, size)
-                fn = self._fn()
-                fn(meta, *args)  # warm-up outside the graph
+                self.forward(size)  # warm-up outside the graph
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = fn(meta, *args)
+                    self.outputs[size] = self.forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
         self.pool = pool
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs of draft steps of %d tokens per request (up to %d requests)",
                     len(self.graphs), q, max(self.sizes))
+
+    def forward(self, size: int) -> tuple[torch.Tensor, ...]:
+        """What a graph runs: the step over the first ``size`` requests of the static inputs."""
+        rows = size * self.q
+        return self._fn()(self._metadata(size), self.token_ids[:rows], self._packed[0, :rows],
+                          *(e[:rows] for e in self.extra))
 
     def _metadata(self, size: int) -> AttentionMetadata:
         q = self.q
@@ -120,12 +125,12 @@ class StepGraphs:
         return num_reqs <= self.sizes[-1]
 
     def run(self, token_ids: torch.Tensor, positions: np.ndarray, block_ids: Sequence[Sequence[int]],
-            *extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            *extra: torch.Tensor, more: Sequence[np.ndarray] = ()) -> tuple[torch.Tensor, ...]:
         """One step over ``len(block_ids)`` requests: request ``k`` feeds the ``q`` tokens
         ``token_ids[k*q:(k+1)*q]`` at positions ``positions[k]``, ``positions[k] + 1``, ... of the
         request whose blocks are ``block_ids[k]``; ``extra`` are the per-row inputs declared at
-        construction. Returns the step's outputs' rows (views of static buffers, valid until the
-        next call)."""
+        construction, ``more`` a subclass's packed per-request rows. Returns the step's outputs
+        (views of static buffers, valid until the next call)."""
         n, q = len(block_ids), self.q
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         if len(positions) != n or len(token_ids) != n * q:
@@ -150,6 +155,8 @@ class StepGraphs:
                 p = rows[k * q:(k + 1) * q]
                 host[1, k * q:(k + 1) * q] = tables[k, p // bs].astype(np.int64) * bs + p % bs
         host[2, :n] = rows[q - 1::q] + 1
+        for r, values in enumerate(more, start=3):
+            host[r, :n] = values
         self._packed[:, :n * q].copy_(host_t[:, :n * q], non_blocking=True)
         self.block_tables[:n].copy_(tables_t[:n], non_blocking=True)
         if self.device.type == "cuda":
@@ -163,7 +170,7 @@ class StepGraphs:
             buffer[:n * q].copy_(value)
         self.graphs[size].replay()
         self.num_replays += 1
-        return tuple(out[:n * q] for out in self.outputs[size])
+        return self.outputs[size]
 
 
 class ChainGraphs:
@@ -198,36 +205,17 @@ class ChainGraphs:
         self._turn = 0
         self._packed = torch.zeros(2, n, **i64)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(num_steps, n, **i64)
-        self.slots = torch.zeros(num_steps, n, **i64)
-        self.seq_lens = torch.zeros(num_steps, n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [size, num_steps] drafts
         self.num_replays = 0
         self.pool = pool
 
-    def _metadata(self, step: int, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[step, :size],
-            slot_mapping=self.slots[step, :size], block_tables=self.block_tables[:size], max_query_len=1,
-            max_seq_len=self.max_len, query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_len] * size)
-
     def chain(self, size: int) -> torch.Tensor:
         """The ``num_steps`` draft steps over the first ``size`` rows of the static inputs."""
-        fn, bs = self._fn(), self.block_size
-        tokens, state = self.tokens[:size], self.state[:size]
-        newest, writable = self._packed[0, :size], self._packed[1, :size]
-        drafts = []
-        for step in range(self.num_steps):
-            pos = newest + (step + 1)
-            block = self.block_tables[:size].gather(1, (pos // bs).clamp(max=self.max_blocks - 1)[:, None])
-            self.positions[step, :size].copy_(pos)
-            self.slots[step, :size].copy_(torch.where(pos < writable, block[:, 0].long() * bs + pos % bs, -1))
-            self.seq_lens[step, :size].copy_(pos + 1)
-            state, tokens = fn(self._metadata(step, size), tokens, self.positions[step, :size], state)
-            drafts.append(tokens)
-        return torch.stack(drafts, dim=1)
+        return chain_steps(self._fn(), self.num_steps, self.block_size, self.max_len, self.tokens[:size],
+                           self.state[:size], self._packed[0, :size], self._packed[1, :size],
+                           self.block_tables[:size], self.query_start_loc[:size + 1])
 
     def capture(self) -> None:
         pool = self.pool
@@ -281,6 +269,72 @@ class ChainGraphs:
         return self.outputs[size][:n]
 
 
+def chain_steps(fn: StepFn, num_steps: int, block_size: int, max_len: int, tokens: torch.Tensor, state: torch.Tensor,
+                newest: torch.Tensor, writable: torch.Tensor, block_tables: torch.Tensor,
+                query_start_loc: torch.Tensor) -> torch.Tensor:
+    """``num_steps`` greedy draft steps of ``fn`` (``fn(metadata, tokens, positions, state) ->
+    (state, tokens)``), one token per request, all on the device: step ``j`` feeds position
+    ``newest + j + 1`` and writes its KV where that position lies below ``writable`` (slot -1
+    past it). Returns the drafts, ``[size, num_steps]``."""
+    size, max_blocks = len(tokens), block_tables.shape[1]
+    drafts = []
+    for step in range(num_steps):
+        pos = newest + (step + 1)
+        block = block_tables.gather(1, (pos // block_size).clamp(max=max_blocks - 1)[:, None])[:, 0].long()
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=(pos + 1).to(torch.int32),
+            slot_mapping=torch.where(pos < writable, block * block_size + pos % block_size, -1),
+            block_tables=block_tables, max_query_len=1, max_seq_len=max_len,
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[max_len] * size)
+        state, tokens = fn(meta, tokens, pos, state)
+        drafts.append(tokens)
+    return torch.stack(drafts, dim=1)
+
+
+class ProposalGraphs(StepGraphs):
+    """A head-like proposer's whole greedy proposal as one graph per request count: the first
+    step over ``q`` rows per request (as :class:`StepGraphs`), then each request's output at its
+    newest accepted row, that output's greedy token (``argmax``) and drafts ``2 .. K`` of
+    :func:`chain_steps` (``step``). A call packs each request's accepted row count with the
+    feed's inputs and replays once; outputs are the first step's rows and the ``[n, K]`` drafts."""
+
+    ROWS = 6  # + per request: its newest accepted row, that row's position, its writable slots
+
+    def __init__(self, fn: StepFn, step: StepFn, argmax: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 max_reqs: int, max_len: int, block_size: int, num_steps: int,
+                 extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = (), rows_per_req: int = 1,
+                 pool: object = None) -> None:
+        super().__init__(fn, device, max_reqs, max_len, block_size, extra=extra, rows_per_req=rows_per_req, pool=pool)
+        self._step, self._argmax = weakref.WeakMethod(step), weakref.WeakMethod(argmax)
+        self.num_steps = num_steps
+        self.chain_start_loc = torch.arange(max(self.sizes) + 1, dtype=torch.int32, device=device)
+
+    def forward(self, size: int) -> tuple[torch.Tensor, ...]:
+        out = super().forward(size)[0]
+        last, newest, writable = self._packed[3:6, :size]
+        state = out.index_select(0, last)
+        first = self._argmax()(state)
+        if not self.num_steps:
+            return out, first[:, None]
+        rest = chain_steps(self._step(), self.num_steps, self.block_size, self.max_len, first, state, newest,
+                           writable, self.block_tables[:size], self.chain_start_loc[:size + 1])
+        return out, torch.cat([first[:, None], rest], dim=1)
+
+    def _fill_padding(self, start: int, end: int) -> None:
+        super()._fill_padding(start, end)
+        self._packed[3:6, start:end].fill_(0)  # row 0, position 0, nothing writable
+
+    def propose(self, token_ids: torch.Tensor, first: np.ndarray, block_ids: Sequence[Sequence[int]],
+                accepted: np.ndarray, *extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`StepGraphs.run`, request ``k`` having accepted ``accepted[k]`` of its ``q``
+        rows (so its newest position is ``first[k] + accepted[k] - 1``). Returns the first step's
+        outputs and the drafts (views of static buffers, padded, valid until the next call)."""
+        n, q = len(block_ids), self.q
+        last = np.arange(n) * q + accepted - 1
+        writable = np.array([len(b) for b in block_ids], dtype=np.int64) * self.block_size
+        return self.run(token_ids, first, block_ids, *extra, more=(last, first + accepted - 1, writable))
+
+
 def greedy_graphed(graphs_on: bool, chain: ChainGraphs | None, limits: np.ndarray) -> bool:
     """Whether greedy drafts up to ``limits`` (the live requests') come from graphs: the first
     needs none of the chain's, the rest need a chain that fits."""
@@ -299,26 +353,35 @@ def greedy_drafts(chain: ChainGraphs | None, live: list[int], limits: np.ndarray
         # ``tokens`` may be another graph's output in a pool the chain's replay reuses: read the
         # chain's own copy of it.
         tokens = torch.cat([chain.tokens[:len(live), None], rest], dim=1)
-    values = tokens.tolist()
-    for k, i in enumerate(live):
-        row = values[k] if isinstance(values[k], list) else [values[k]]
+    take_drafts(tokens.view(len(live), -1).tolist(), live, limits, drafts)
+
+
+def take_drafts(rows: list[list[int]], live: list[int], limits: np.ndarray, drafts: list[list[int]]) -> None:
+    """Append ``rows[k]`` to live request ``live[k]``'s drafts, up to its limit."""
+    for i, row in zip(live, rows):
         drafts[i].extend(row[:int(limits[i])])
 
 
 def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int, block_size: int,
                   num_speculative_tokens: int, extra: Sequence[tuple[tuple[int, ...], torch.dtype]],
-                  pool: object = None) -> dict[int, StepGraphs]:
+                  pool: object = None, step: StepFn | None = None,
+                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, StepGraphs]:
     """The first-step graphs of a head-like proposer, by rows per request: ``q = 1 .. K + 1`` (one
     plus the padded draft count of a decode or verification step), each for as many requests as
-    the step's token budget allows, all in one memory pool."""
+    the step's token budget allows, all in one memory pool. Given ``step`` and ``argmax`` they are
+    :class:`ProposalGraphs`, the whole greedy proposal in each."""
     max_reqs = config.max_num_seqs
     budget = config.max_num_batched_tokens or max_reqs * (num_speculative_tokens + 1)
     feeds: dict[int, StepGraphs] = {}
     for q in range(1, num_speculative_tokens + 2):
         if budget // q < 1:
             break
-        graphs = StepGraphs(fn, device, min(max_reqs, budget // q), max_len, block_size, extra=extra,
-                            rows_per_req=q, pool=pool)
+        common = dict(extra=extra, rows_per_req=q, pool=pool)
+        if step is not None and argmax is not None:
+            graphs = ProposalGraphs(fn, step, argmax, device, min(max_reqs, budget // q), max_len, block_size,
+                                    num_speculative_tokens - 1, **common)
+        else:
+            graphs = StepGraphs(fn, device, min(max_reqs, budget // q), max_len, block_size, **common)
         graphs.capture()
         pool = graphs.pool
         feeds[q] = graphs

@@ -166,9 +166,7 @@ class _EagerReplay:
 
 
 def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
-    rows = size * g.q
-    outs = g._fn()(g._metadata(size), g.token_ids[:rows], g._packed[0, :rows], *(e[:rows] for e in g.extra))
-    return tuple(o.clone() for o in outs)
+    return tuple(o.clone() for o in g.forward(size))
 
 
 def _eager_captures(monkeypatch: Any) -> list:
@@ -190,11 +188,12 @@ def _eager_captures(monkeypatch: Any) -> list:
 
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
-    """The greedy graph paths of a proposer (EAGLE-3 and MTP: the uniform first step over every
-    target row; the draft model: its first step over its newest one or two tokens; all: the
-    further steps as one chain with positions and slots computed on the device), run eagerly on
-    the graphs' static buffers under the Triton kernels: the same drafts, step by step, as the
-    proposer's eager path, and the same output as without drafts."""
+    """The greedy graph paths of a proposer (EAGLE-3 and MTP: the whole proposal of a uniform step,
+    its first step over every target row; the draft model: its first step over its newest one or
+    two tokens, then the further steps; all: the further steps after an eager first step as one
+    chain), run eagerly on the graphs' static buffers under the Triton kernels, positions and slots
+    computed on the device: the same drafts, step by step, as the proposer's eager path, and the
+    same output as without drafts."""
     from pathlib import Path
 
     from specloop import LLM, SamplingParams

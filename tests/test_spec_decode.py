@@ -415,9 +415,7 @@ def test_uniform_feed_graphs_pack_rows_of_consecutive_positions() -> None:
                      meta.query_start_loc.tolist(), hidden[:, 0].tolist()))
         return (hidden * 2,)
 
-    graphs = _recording_graphs(StepGraphs, lambda g, size: g._fn()(g._metadata(size), g.token_ids[:size * g.q],
-                                                                  g._packed[0, :size * g.q], g.extra[0][:size * g.q]),
-                               fn=feed, device=torch.device("cpu"), max_reqs=4, max_len=32, block_size=4,
+    graphs = _recording_graphs(StepGraphs, lambda g, size: g.forward(size), fn=feed, device=torch.device("cpu"), max_reqs=4, max_len=32, block_size=4,
                                extra=[((1,), torch.float32)], rows_per_req=2)
     assert uniform_feed({2: graphs}, np.array([1, 1, 1]), np.array([0, 2, 4, 6])) is graphs
     assert uniform_feed({2: graphs}, np.array([1, 0, 1]), np.array([0, 2, 4, 6])) is None  # a partial prefill
@@ -430,9 +428,49 @@ def test_uniform_feed_graphs_pack_rows_of_consecutive_positions() -> None:
     assert slots == [6 * 4 + 3, 8 * 4 + 0, 4 * 4 + 2, 4 * 4 + 3, 9 * 4 + 1, 9 * 4 + 2, -1, -1]
     assert lens == [9, 4, 7, 2] and qsl == [0, 2, 4, 6, 8]
     assert tokens[:6] == ids.tolist() and hidden[:6] == list(range(6))
-    assert out[:, 0].tolist() == [0, 2, 4, 6, 8, 10]
+    assert out[:6, 0].tolist() == [0, 2, 4, 6, 8, 10]  # (padded to the graph's size)
     with pytest.raises(RuntimeError, match="past the request's"):
         graphs.run(torch.tensor(ids[:2]), np.array([7]), [[1, 6]], torch.zeros(2, 1))  # position 8 has no block
+
+
+def test_proposal_graphs_draft_from_each_requests_newest_accepted_row() -> None:
+    """The whole greedy proposal in one graph: the first step over q rows a request, each
+    request's output at its newest accepted row, its argmax, then the chain from that row's
+    position with slots computed on the device (-1 past the request's blocks; padding requests
+    write nothing)."""
+    from specloop.proposers.step_graphs import ProposalGraphs
+
+    class Head:  # outputs carry (position, token) so the test can see what fed what
+        def __init__(self):
+            self.chain = []
+
+        def feed(self, meta, tokens, positions, hidden):
+            return (torch.stack([positions.float(), tokens.float() + hidden[:, 0]], dim=1),)
+
+        def step(self, meta, tokens, positions, state):
+            self.chain.append((positions.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist()))
+            return state, tokens + 100
+
+        def argmax(self, state):
+            return state[:, 1].long()
+
+    head = Head()
+    graphs = _recording_graphs(ProposalGraphs, lambda g, size: g.forward(size), fn=head.feed, step=head.step,
+                               argmax=head.argmax, device=torch.device("cpu"), max_reqs=4, max_len=32, block_size=4,
+                               num_steps=2, extra=[((1,), torch.float32)], rows_per_req=3)
+    # Request a: rows at positions 5, 6, 7 of blocks [7, 2], 2 accepted (newest 6); request b:
+    # positions 1, 2, 3 of block [3], all 3 accepted (newest 3, its block's last slot); request c:
+    # positions 0, 1, 2 of block [5], 1 accepted. A fourth, padding request fills the graph.
+    ids = torch.tensor([10, 11, 12, 20, 21, 22, 30, 31, 32])
+    out, drafts = graphs.propose(ids, np.array([5, 1, 0]), [[7, 2], [3], [5]], np.array([2, 3, 1]),
+                                 torch.zeros(9, 1))
+    assert out[:9, 0].tolist() == [5, 6, 7, 1, 2, 3, 0, 1, 2]
+    assert drafts[:3].tolist() == [[11, 111, 211], [22, 122, 222], [30, 130, 230]]  # rows 1, 5, 6, then the chain
+    assert head.chain == [
+        ([7, 4, 1, 1], [2 * 4 + 3, -1, 5 * 4 + 1, -1], [8, 5, 2, 2]),  # b's position 4 is past its one block
+        ([8, 5, 2, 2], [-1, -1, 5 * 4 + 2, -1], [9, 6, 3, 3]),
+    ]
+    assert graphs.num_replays == 1
 
 
 def test_first_step_graphs_cover_every_draft_count_within_the_token_budget(monkeypatch) -> None:
