@@ -14,6 +14,7 @@ which would run eagerly, into one a graph replays. Padded drafts count as drafts
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,21 @@ from .batch import InputBatch
 from .requests import CachedRequestState
 
 
+@dataclass(slots=True)
+class StepRecord:
+    """One step as the drafting stage sees it when it samples."""
+
+    propose: bool  # call the proposer after sampling
+    drafts: bool  # a step with drafts: it verifies some, or the policy wants some after it
+    started: float  # when it began sampling
+    tokens: int | None = None  # tokens it commits, once sampled
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the next step may be planned before this one commits."""
+        return not (self.propose or self.drafts)
+
+
 class DraftingStage:
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, config: EngineConfig) -> None:
         self.proposer = proposer
@@ -35,6 +51,24 @@ class DraftingStage:
         self.pad_drafts = False
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
+        self._last: tuple[StepRecord, StepRecord | None] | None = None  # the previous step, and the one before
+
+    def begin_step(self, plan: SchedulerOutput) -> StepRecord:
+        """Called as a step starts sampling: whether to propose after it (the policy's
+        ``drafting``; always for a proposer that cannot skip steps). Reports the previous step's
+        tokens per second to the policy when it sat between steps of its own kind."""
+        wanted = self.policy.drafting(list(plan.num_scheduled_tokens))
+        drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
+        record = StepRecord(wanted or not self.proposer.catches_up, drafts, time.perf_counter())
+        if self._last is not None:
+            previous, before = self._last
+            if (before is not None and before.drafts == previous.drafts == drafts and previous.tokens
+                    and record.started > previous.started):
+                self.policy.observe_rate(drafts, previous.tokens, record.started - previous.started)
+            self._last = (record, previous)
+        else:
+            self._last = (record, None)
+        return record
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -34,11 +34,13 @@ class DeviceClock:
 
 class PendingOutput:
     """A step's output whose tokens may still be on their way to the host; ``result()`` waits for
-    them once and returns the same :class:`ModelRunnerOutput` on every call."""
+    them once and returns the same :class:`ModelRunnerOutput` on every call. ``overlaps``: whether
+    the engine may plan the next step before committing this one (not after a step with drafts)."""
 
-    def __init__(self, wait: Callable[[], ModelRunnerOutput]) -> None:
+    def __init__(self, wait: Callable[[], ModelRunnerOutput], overlaps: bool = True) -> None:
         self._wait: Callable[[], ModelRunnerOutput] | None = wait
         self._output: ModelRunnerOutput | None = None
+        self.overlaps = overlaps
 
     def result(self) -> ModelRunnerOutput:
         if self._wait is not None:

@@ -35,7 +35,7 @@ from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
-from .drafting import DraftingStage
+from .drafting import DraftingStage, StepRecord
 from .executor import EagerExecutor, ForwardOutput, GraphKey
 from .pending import DeviceClock, PendingOutput
 from .requests import PLACEHOLDER, CachedRequestState, PlanChanges, apply_plan
@@ -165,6 +165,7 @@ class ModelRunner:
         self._worker: ThreadPoolExecutor | None = None
         self._executing: Future[None] | None = None
         self._pending: PendingOutput | None = None
+        self._launched: SchedulerOutput | None = None  # the plan execute_model launched last
         self.device_clock: DeviceClock | None = None  # times device work for a timeline
 
     def _new_attention_backend(self) -> AttentionBackend:
@@ -227,12 +228,10 @@ class ModelRunner:
         return num_blocks
 
     def _resolve_async_scheduling(self) -> bool:
-        wanted, spec = self.config.async_scheduling, self.config.speculative_config
-        if spec is not None:
-            if wanted:
-                raise ValueError("async_scheduling is not supported with speculative_config yet: the next "
-                                 "step's drafts depend on this step's tokens; pass async_scheduling=False")
-            return False
+        """On by default on CUDA. With speculative decoding only steps that neither verify nor
+        propose drafts overlap (``DraftingStage.begin_step``): a step with drafts is committed
+        before the next is planned, since that plan needs its accepted counts."""
+        wanted = self.config.async_scheduling
         return self.device.type == "cuda" if wanted is None else bool(wanted)
 
     def kv_bytes_per_block(self) -> int:
@@ -245,6 +244,7 @@ class ModelRunner:
     # --- one step -----------------------------------------------------------------------------
 
     def execute_model(self, plan: SchedulerOutput) -> None:
+        self._launched = plan
         if self._worker is not None:
             self._executing = self._worker.submit(self._execute, plan)
         else:
@@ -290,19 +290,26 @@ class ModelRunner:
         asynchronous scheduling a :class:`PendingOutput` whose ``result()`` waits for them: on a
         worker thread (CPU), or for the device-to-host copy of tokens that already feed the next
         step on the device (CUDA)."""
+        plan, self._launched = self._launched, None
+        record = self.drafter.begin_step(plan) if self.drafter is not None and plan is not None else None
         if self._worker is not None:
             executing, self._executing = self._executing, None
-            sampling = self._worker.submit(self._sample_after, executing, grammar)
-            return PendingOutput(sampling.result)
-        return self._sample(grammar)
+            sampling = self._worker.submit(self._sample_after, executing, grammar, record)
+            return PendingOutput(sampling.result, overlaps=record is None or record.overlaps)
+        out = self._sample(grammar, record)
+        if self.async_scheduling and record is not None and not record.overlaps:
+            return PendingOutput(lambda: out, overlaps=False)  # resolved: a step with drafts
+        return out
 
-    def _sample_after(self, executing: Future[None] | None, grammar: GrammarBitmask | None) -> ModelRunnerOutput:
+    def _sample_after(self, executing: Future[None] | None, grammar: GrammarBitmask | None,
+                      record: StepRecord | None) -> ModelRunnerOutput:
         if executing is not None:
             executing.result()  # re-raise what went wrong while executing
-        out = self._sample(grammar)
+        out = self._sample(grammar, record)
         return out.result() if isinstance(out, PendingOutput) else out
 
-    def _sample(self, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput | PendingOutput:
+    def _sample(self, grammar: GrammarBitmask | None = None,
+                record: StepRecord | None = None) -> ModelRunnerOutput | PendingOutput:
         step, self.executed = self.executed, None
         if step is None:
             raise RuntimeError("sample_tokens called without execute_model")
@@ -311,7 +318,8 @@ class ModelRunner:
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampler = self.parts.sampler
-        defer = self.async_scheduling and sampler.can_defer(batch)
+        propose = self.drafter is not None and (record is None or record.propose)
+        defer = self.async_scheduling and not propose and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
         draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
@@ -319,12 +327,18 @@ class ModelRunner:
         span = self._device_span(step.device_start)
         if result.wait is not None:
             self._pending = self._provisional_placeholders(batch, result, span)
+            if record is not None:
+                record.tokens = sum(1 for _, count in batch.sample_rows if count)
             return self._pending
         for rid, tokens in zip(batch.req_ids, result.sampled):
             self.requests[rid].token_ids.extend(tokens)  # provisional until the next plan commits them
-        if self.drafter is not None:
+        if record is not None:
+            record.tokens = sum(map(len, result.sampled))
+        if propose:
             self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
                                                 result.sampled, self.requests, time.perf_counter() - step.host_start)
+        elif self.drafter is not None:
+            self.drafter.draft_probs.clear()  # this step's drafts (if any) are verified
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
                                  logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs,
                                  device_span=span() if span is not None else None)

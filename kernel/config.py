@@ -87,7 +87,7 @@ class EngineConfig:
     kv_cache_policy: str = "lru"
     attention_backend: str | None = None  # None: the runner's default for the device
     model_runner: str | None = None  # None: "auto", whichever runner the device calls for
-    # Plan step n+1 while step n runs; None: the runner's default (on for CUDA without drafts). Resolved.
+    # Plan step n+1 while step n runs (with drafts: steps without); None: on for CUDA. Resolved.
     async_scheduling: bool | None = None
     skip_tokenizer_init: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None

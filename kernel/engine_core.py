@@ -12,7 +12,8 @@ With asynchronous scheduling a step launches plan n+1 before it commits plan n: 
 counts the tokens plan n will sample as placeholders and schedules their successors, the runner
 feeds those successors from the device, and the host commits (stop checks, outputs) one step late,
 while the device already computes the next step. A request that stops at step n costs at most one
-wasted token of step n+1, whose output the scheduler drops. While grammar-constrained requests
+wasted token of step n+1, whose output the scheduler drops. A step with drafts (verified or
+proposed) is committed, and its drafts handed over, before the next plan is made. While grammar-constrained requests
 run, plan n is committed right after plan n+1's forward is launched, so that plan n+1's masks see
 plan n's tokens; the host still works while the device computes.
 """
@@ -40,11 +41,8 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCore:
-    """Owns the scheduler and model runner and runs one step at a time (synchronously).
-
-    Components come from the plugin manager's registries by the names in ``config``; a test may
-    pass a ready ``runner`` instead.
-    """
+    """Owns the scheduler and model runner and runs one step at a time (synchronously). Components
+    come from the plugin manager's registries by the names in ``config``; a test may pass a ``runner``."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None,
                  runner: ModelRunner | None = None) -> None:
@@ -117,7 +115,7 @@ class EngineCore:
         if failed:
             self.hooks.request_finished([self.requests.pop(out.req_id) for out in failed])
         sync = not self.config.async_scheduling
-        if sync and self.in_flight:
+        if self.in_flight and (sync or not getattr(self.in_flight[-1][1], "overlaps", True)):
             return self._commit_oldest(failed, t0, t0)
         plan = self.scheduler.schedule()
         preempted = [self.requests[r] for r in plan.preempted_req_ids if r in self.requests]
@@ -138,7 +136,8 @@ class EngineCore:
             self.in_flight.append((plan, self.runner.sample_tokens(grammar)))
             if committed is not None:
                 return committed
-        if not self.in_flight or (launch and not sync and len(self.in_flight) < 2):
+        if not self.in_flight or (launch and not sync and len(self.in_flight) < 2
+                                  and getattr(self.in_flight[-1][1], "overlaps", True)):
             return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats())
         return self._commit_oldest(failed, t0, t1)
 
@@ -155,6 +154,8 @@ class EngineCore:
         return outputs
 
     def post_step(self) -> None:
+        if self.in_flight:  # drafts wait for the plan that proposed them to be committed
+            return
         drafts = self.runner.take_draft_token_ids()
         if drafts is not None:
             self.scheduler.update_draft_token_ids(drafts)

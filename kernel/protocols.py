@@ -72,7 +72,10 @@ class Scheduler(Protocol):
 
 
 class PendingOutput(Protocol):
-    """A step's result that may still be on its way (asynchronous scheduling)."""
+    """A step's result that may still be on its way (asynchronous scheduling); ``overlaps`` False:
+    commit it before planning the next step (a step with drafts)."""
+
+    overlaps: bool
 
     def result(self) -> ModelRunnerOutput:
         """Wait for it (once); later calls return the same output."""
@@ -84,9 +87,7 @@ class ModelRunner(Protocol):
 
     vocab_size: int
     model_max_len: int | None  # the model's max_position_embeddings, if it has one
-    # Resolved by ``initialize``: whether ``sample_tokens`` returns a PendingOutput, so the engine
-    # plans the next step before committing this one.
-    async_scheduling: bool
+    async_scheduling: bool  # resolved by ``initialize``: plan the next step before committing this one
 
     def initialize(self) -> int:
         """Allocate the KV cache and buffers once the config is resolved; returns ``num_kv_blocks``."""

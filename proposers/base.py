@@ -148,6 +148,11 @@ class Proposer(ABC):
     # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions (MTP)
     # builds it from every chunk's hidden states.
     runs_on_prefill_chunks: bool = False
+    # May skip steps: a call after steps it never saw rebuilds what it needs from the token ids (a
+    # draft model feeds the tokens it missed; n-gram keeps no state). The runner then skips the
+    # call in steps that draft nothing, which asynchronous scheduling overlaps; a proposer whose
+    # cache is fed the target's hidden states of every step keeps being called.
+    catches_up: bool = False
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config

@@ -13,7 +13,7 @@ rejected one was not. The next proposal feeds everything from there (the newest 
 prompt after admission), then one token per further draft. Rejected slots are simply overwritten.
 
 On CUDA with the Triton attention backend greedy drafting replays CUDA graphs
-(``proposers.step_graphs``) when every drafting request is plain greedy. The first step of a steady
+(``proposers.chain_graphs``) when every drafting request is plain greedy. The first step of a steady
 decode or verification step feeds one or two tokens a request (two when every draft was accepted:
 the last draft, never fed, and the target's token); the graph feeds every request the longest
 feed's count, its newest tokens, re-feeding a position whose entry is already valid where a
@@ -39,7 +39,8 @@ from specloop.models.parallel import SINGLE
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import ChainGraphs, ProposalGraphs, graphs_wanted, greedy_drafts, greedy_graphed, take_drafts
+from .chain_graphs import ChainGraphs, ProposalGraphs, greedy_drafts, greedy_graphed, take_drafts
+from .step_graphs import graphs_wanted
 
 
 class DraftModelProposer(Proposer):
@@ -47,6 +48,7 @@ class DraftModelProposer(Proposer):
     ``draft_dtype`` overrides the target's dtype for the draft."""
 
     FEED_ROWS = (1, 2)  # tokens per request a steady step's first draft step feeds
+    catches_up = True  # num_written: a proposal feeds every token its cache lacks
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)

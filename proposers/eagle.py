@@ -23,7 +23,7 @@ Drafting. Step 1 is that feed: its output at the last accepted position gives dr
 step feeds one draft at the next position with the previous step's output as its hidden state.
 Drafts are drawn with the request's sampling processing and report their distribution (``draw``).
 On CUDA with the Triton attention backend a uniform decode or verification step's proposal replays
-one graph (``proposers.step_graphs.ProposalGraphs``): the first step over every target row, each
+one graph (``proposers.chain_graphs.ProposalGraphs``): the first step over every target row, each
 request's output at its newest accepted row, its argmax, and the further steps, each step's output
 and argmax feeding the next on the device. When every drafting request is plain greedy those are
 the drafts, read once; otherwise the further steps are drawn eagerly from the graph's first-step
@@ -46,8 +46,8 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .step_graphs import (ChainGraphs, ProposalGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted,
-                          greedy_drafts, greedy_graphed, last_pool, take_drafts, uniform_feed)
+from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
 
 
 class EagleProposer(Proposer):

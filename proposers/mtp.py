@@ -19,7 +19,7 @@ applies the layer again one position on, to draft ``k``'s embedding and its own 
 speculative cache rows sit past the verified positions and are rewritten by the next step.
 
 On CUDA with the Triton attention backend both kinds of step replay CUDA graphs
-(``proposers.step_graphs``): the first step when every request computed the same number of target
+(``proposers.step_graphs``, ``proposers.chain_graphs``): the first step when every request computed the same number of target
 rows (decode and verification steps, drafts padded to one count), over all of those rows, the
 rejected ones included (their cache rows lie past the verified positions, where this step's drafts
 and the next step write before anything reads them); the further steps of a one-layer checkpoint
@@ -46,8 +46,8 @@ from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype,
 
 from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .step_graphs import (ChainGraphs, ProposalGraphs, StepGraphs, capture_feeds, feed_token_ids, graphs_wanted,
-                          greedy_drafts, greedy_graphed, last_pool, take_drafts, uniform_feed)
+from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}

@@ -51,6 +51,8 @@ class NgramProposer(Proposer):
     """``speculative_config={"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_min": m, "prompt_lookup_max": M}``. Needs nothing from the target model."""
 
+    catches_up = True  # stateless
+
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
         spec = config.speculative_config

@@ -7,8 +7,14 @@ large batch, where it is compute-bound) plus what drafting costs. The ``adaptive
 both and picks, per request and per step, the draft counts that maximise expected tokens per second;
 ``fixed`` always asks for ``num_speculative_tokens``.
 
-The model runner's drafting stage calls :meth:`SpeculationPolicy.choose` before proposing and
-:meth:`SpeculationPolicy.observe` after each step with what it measured.
+The model runner's drafting stage asks :meth:`SpeculationPolicy.drafting` at every step whether
+to propose at all, calls :meth:`SpeculationPolicy.choose` before proposing and
+:meth:`SpeculationPolicy.observe` after, and reports every step's committed tokens and wall time to
+:meth:`SpeculationPolicy.observe_rate`. A step that proposes nothing and verifies nothing is an
+ordinary decode step, which asynchronous scheduling overlaps with the next one; a step with drafts
+is synchronous (the next plan needs its accepted counts). Whether drafting pays therefore depends
+on more than the draft and verification costs, and the adaptive policy measures it directly: tokens
+per second of steps with drafts against steps without.
 """
 
 from __future__ import annotations
@@ -33,10 +39,18 @@ class StepObservation:
 
 
 class SpeculationPolicy(Protocol):
+    def drafting(self, req_ids: Sequence[str]) -> bool:
+        """Asked once per step, before it samples: whether to propose after it at all (False:
+        the runner skips a proposer that catches up, and the step may overlap the next)."""
+
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         """Draft counts for these requests' next step, each in ``[0, limit]``."""
 
     def observe(self, step: StepObservation) -> None: ...
+
+    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A step amid steps of its own kind (with drafts, verified or proposed; or without):
+        the tokens it committed and the wall time from its sampling to the next step's."""
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Finished or preempted requests."""
@@ -49,10 +63,16 @@ class FixedPolicy:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 0
 
+    def drafting(self, req_ids: Sequence[str]) -> bool:
+        return self.k > 0
+
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         return [min(self.k, limit)] * len(req_ids)
 
     def observe(self, step: StepObservation) -> None:
+        pass
+
+    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
         pass
 
     def forget(self, req_ids: Sequence[str]) -> None:
@@ -91,10 +111,16 @@ class AdaptivePolicy:
     ``gain > E * (b + c) / t`` for the step's current expected tokens ``E`` and cost ``t``. Until the
     model has ``warmup`` steps it asks for the full ``limit``; every ``explore_every`` steps a request
     at 0 gets one draft, so a request that turned speculation off can turn it back on.
+
+    On or off: the cost model sees only steps with drafts, which run synchronously, while steps
+    without drafts overlap under asynchronous scheduling and cost less than ``a + b * T`` says. So
+    the policy also keeps the measured tokens per second of both kinds of step (decayed sums, steps
+    amid their own kind only) and drafts nothing while steps without drafts are faster. Every
+    ``probe_every`` steps it runs ``probe_len`` steps of the other kind to keep both figures fresh.
     """
 
     def __init__(self, config: EngineConfig, *, window: int = 64, warmup: int = 8, prior_weight: float = 4.0,
-                 explore_every: int = 16) -> None:
+                 explore_every: int = 16, probe_every: int = 64, probe_len: int = 4) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         self.window, self.warmup, self.prior_weight, self.explore_every = window, warmup, prior_weight, explore_every
@@ -103,6 +129,11 @@ class AdaptivePolicy:
         self.engine = _Acceptance(self.k)
         self.requests: dict[str, _Acceptance] = {}
         self.num_choices = 0
+        self.probe_every, self.probe_len = probe_every, probe_len
+        self.num_steps = 0
+        self.mode = "plan"  # this step's: "plan" (per-request counts), "off", or "probe" (drafts forced)
+        # Decayed [tokens, seconds] of steps with drafts (True) and without (False).
+        self.rates: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
 
     # --- model -------------------------------------------------------------------------------------
 
@@ -126,13 +157,46 @@ class AdaptivePolicy:
             out.append((acc + self.prior_weight * prior) / (tried + self.prior_weight))
         return out
 
+    def rate(self, drafted: bool) -> float | None:
+        """Measured tokens per second of steps with (or without) drafts; None before any."""
+        tokens, seconds = self.rates[drafted]
+        return tokens / seconds if seconds > 0 else None
+
+    def drafting_pays(self) -> bool:
+        with_drafts, without = self.rate(True), self.rate(False)
+        return with_drafts is None or without is None or with_drafts >= without
+
     # --- the policy ---------------------------------------------------------------------------------
+
+    def drafting(self, req_ids: Sequence[str]) -> bool:
+        self.num_steps += 1
+        if len(self.steps) < self.warmup:
+            self.mode = "plan"
+            return True
+        probing = self.num_steps % self.probe_every < self.probe_len
+        if self.drafting_pays() == probing:  # off, or a probe of steps without drafts
+            self.mode = "off"
+            return False
+        if probing:  # a probe of steps with drafts
+            self.mode = "probe"
+            return True
+        self.mode = "plan"
+        return any(self._plan(req_ids, self.k))
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         self.num_choices += 1
         limit = min(limit, self.k)
         if len(self.steps) < self.warmup:
             return [limit] * len(req_ids)
+        if self.mode == "off":
+            return [0] * len(req_ids)
+        ks = self._plan(req_ids, limit)
+        if self.mode == "probe" or self.num_choices % self.explore_every == 0:
+            ks = [max(k, min(1, limit)) for k in ks]
+        return ks
+
+    def _plan(self, req_ids: Sequence[str], limit: int) -> list[int]:
+        """Per-request draft counts from acceptance and the cost model (class docstring)."""
         a, b = self.cost_model()
         ks = [0] * len(req_ids)
         reach = [1.0] * len(req_ids)  # probability that every draft so far is accepted
@@ -152,8 +216,6 @@ class AdaptivePolicy:
             reach[best] = best_gain
             expected += best_gain
             seconds += b + self.draft_cost
-        if self.num_choices % self.explore_every == 0:
-            ks = [max(k, min(1, limit)) for k in ks]
         return ks
 
     def observe(self, step: StepObservation) -> None:
@@ -165,6 +227,11 @@ class AdaptivePolicy:
         for rid, verified, accepted in step.verified:
             self.engine.add(verified, accepted)
             self.requests.setdefault(rid, _Acceptance(self.k)).add(verified, accepted)
+
+    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
+        kept = self.rates[drafted]
+        kept[0] = 0.9 * kept[0] + tokens
+        kept[1] = 0.9 * kept[1] + seconds
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:

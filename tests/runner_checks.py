@@ -120,6 +120,48 @@ def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
+def check_spec_async_matches_sync(device: str, dtype: str) -> None:
+    """n-gram drafts in runs (a scripted policy) on the gpu runner with asynchronous scheduling:
+    the steps without drafts deferred and overlapped, those with drafts committed before the next
+    plan; greedy output equal to the synchronous torch runner's without drafts, through chunked
+    prefill and preemption."""
+    from scripted_policy import Alternating
+
+    from specloop import LLM, SamplingParams
+
+    model = tiny("qwen3")
+    base = [p[:9] for p in prompts(3, seed=21, min_len=9, max_len=20)]
+    prompts_ = [p + p[:6] + p for p in base]  # repeats for n-gram lookup to find
+    params = SamplingParams(max_tokens=14, temperature=0.0)
+    outs, overlapped = {}, 0
+    for runner, mode in (("torch", False), ("gpu", True)):
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if mode else None
+        llm = LLM(model.path, model_runner=runner, async_scheduling=mode, device=device, dtype=dtype,
+                  skip_tokenizer_init=True, block_size=4, num_kv_blocks=40, max_model_len=64,
+                  max_num_batched_tokens=16, speculative_config=spec)
+        try:
+            core = llm.core
+            if mode:
+                core.runner.drafter.policy = Alternating()
+                step = core.step
+
+                def counting_step():
+                    nonlocal overlapped
+                    out = step()
+                    overlapped += bool(core.in_flight)
+                    return out
+
+                core.step = counting_step
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts_], params, use_tqdm=False)
+            outs[runner] = [o.outputs[0].token_ids for o in got]
+            if mode:
+                assert llm.get_metrics()["spec_num_drafts"] > 0
+        finally:
+            llm.core.shutdown()
+    assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
+    assert overlapped > 0
+
+
 def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int = 24) -> None:
     """Grammar-constrained requests on the gpu runner with asynchronous scheduling (masks applied
     on the device by the fast sampler, tokens deferred) against the synchronous torch runner, on
@@ -172,7 +214,7 @@ def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
 def _eager_captures(monkeypatch: Any) -> list:
     """Make proposers capture eager stand-ins (in their own capture order) wherever they would
     capture CUDA graphs; returns the graph sets in capture order."""
-    from specloop.proposers import draft_model, eagle, mtp, step_graphs
+    from specloop.proposers import chain_graphs, draft_model, eagle, mtp, step_graphs
 
     captured: list = []
 
@@ -181,7 +223,7 @@ def _eager_captures(monkeypatch: Any) -> list:
         graphs.graphs = {size: _EagerReplay(graphs, size, forward, captured) for size in graphs.sizes}
 
     monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda g: capture(g, _step_forward))
-    monkeypatch.setattr(step_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
+    monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
     for module in (draft_model, eagle, mtp):
         monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
     return captured
@@ -256,6 +298,7 @@ def _main() -> None:
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
     check_async_scheduling_matches_sync("cpu", "float32")
+    check_spec_async_matches_sync("cpu", "float32")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
     for method in ("eagle3", "mtp", "draft_model"):
         check_draft_graphs_match_eager("cpu", method)

@@ -12,6 +12,7 @@ import re
 
 import jsonschema
 import pytest
+from scripted_policy import Alternating
 
 from specloop import LLM, AsyncEngine, SamplingParams
 from specloop.frontend.engine_builder import make_config
@@ -57,9 +58,47 @@ def test_async_scheduling_changes_no_output():
     assert {reason for _, _, reason in sync} >= {"length", "stop"}
 
 
-def test_it_is_refused_with_speculative_decoding():
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculation_under_async_scheduling_overlaps_the_steps_without_drafts(method):
+    """With drafts in runs (a policy that turns drafting on and off), steps without drafts overlap
+    the next one, steps with drafts are committed before the next plan, and greedy output equals
+    synchronous scheduling without drafts, through chunked prefill, prefix hits, preemption and
+    stops. A proposer that cannot skip steps (EAGLE-3: its cache is fed every step's hidden
+    states) is called every step, so its steps never overlap."""
+    from specloop.frontend.model_path import default_model_dir
+
+    greedy = [SamplingParams(max_tokens=36, temperature=0.0, stop=["= item"] if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    plain = LLM(**ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS * 2, greedy * 2, use_tqdm=False)]
+    plain.core.shutdown()
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method != "ngram":
+        spec["model"] = default_model_dir("specloop-tiny-draft" if method == "draft_model" else "specloop-tiny-eagle3")
+    llm = LLM(async_scheduling=True, speculative_config=spec, **ENGINE)
+    try:
+        core = llm.core
+        core.runner.drafter.policy = Alternating()
+        overlapped, step = 0, core.step
+
+        def counting_step():
+            nonlocal overlapped
+            out = step()
+            overlapped += bool(core.in_flight)
+            return out
+
+        core.step = counting_step
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, greedy * 2, use_tqdm=False)]
+        metrics = llm.get_metrics()
+        assert core.scheduler.kv_cache.usage == 0.0 and not core.has_unfinished_requests()
+    finally:
+        llm.core.shutdown()
+    assert got == want
+    assert metrics["spec_num_accepted_tokens"] > 0 and metrics["num_preemptions"] > 0
+    if method == "eagle3":
+        assert overlapped == 0
+    else:
+        assert overlapped > 10
 
 
 def test_placeholders_are_cleared_by_commits_and_preemption():
@@ -162,3 +201,45 @@ def test_structured_outputs_keep_the_overlap_and_change_no_output():
         else:
             assert re.fullmatch(so.regex, text), text
     assert stopped >= 2
+
+
+def test_aborts_between_steps_with_and_without_drafts_leak_nothing():
+    """Requests aborted while a step with drafts, or an overlapped one, is in flight: the others'
+    greedy output is exact and every block comes back."""
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(**ENGINE)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy, use_tqdm=False)]
+    plain.core.shutdown()
+    llm = LLM(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_min": 1}, **ENGINE)
+    try:
+        core = llm.core
+        core.runner.drafter.policy = Alternating(on=2, off=3)
+        for i, p in enumerate(PROMPTS):
+            core.add_requests(llm.processor.make_requests(f"r{i}", llm.processor.parse(p)[1], greedy))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        aborted, steps, kinds, accepted = set(), 0, set(), 0
+        while core.has_unfinished_requests():
+            outs = core.step()
+            core.post_step()
+            steps += 1
+            spec = outs.scheduler_stats.spec_decoding if outs.scheduler_stats is not None else None
+            accepted += spec.num_accepted_tokens if spec is not None else 0
+            if core.in_flight:
+                kinds.add(getattr(core.in_flight[-1][1], "overlaps", True))
+            for out in outs.outputs:
+                got[out.req_id] += out.new_token_ids
+            if steps in (9, 14, 22):  # odd request ids, at different points of the on/off runs
+                victim = f"r{2 * len(aborted) + 1}"
+                core.abort_requests([victim])
+                aborted.add(victim)
+        assert core.scheduler.kv_cache.usage == 0.0 and not core.scheduler.requests
+        assert accepted > 0 and True in kinds
+    finally:
+        llm.core.shutdown()
+    for i, tokens in enumerate(want):
+        rid = f"r{i}"
+        if rid in aborted:
+            assert got[rid] == list(tokens[:len(got[rid])])
+        else:
+            assert got[rid] == list(tokens), rid

@@ -81,6 +81,10 @@ def test_async_scheduling_matches_synchronous_torch_runner() -> None:
     rc.check_async_scheduling_matches_sync("cuda", "float32")
 
 
+def test_drafts_in_runs_with_async_scheduling_match_synchronous_torch_runner() -> None:
+    rc.check_spec_async_matches_sync("cuda", "float32")
+
+
 def test_structured_outputs_with_async_scheduling_match_synchronous_torch_runner() -> None:
     rc.check_structured_async_matches_sync("cuda", "float32", max_tokens=48)
 

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 from hf_models import prompts
+from scripted_policy import Alternating
 
 from specloop import LLM, SamplingParams, StructuredOutputsParams
 from specloop.frontend.model_path import default_model_dir
@@ -120,3 +121,29 @@ def test_json_schema_outputs_validate_on_the_gpu(method: str | None) -> None:
     _close(llm)
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_drafting_in_runs_overlaps_the_steps_without_drafts(method: str, batch: list, reference: list[list[int]]) -> None:
+    """Asynchronous scheduling (the default on CUDA) with a policy that drafts in runs: steps
+    without drafts are deferred on the device and overlap the next, steps with drafts are
+    committed before it; greedy output is unchanged."""
+    llm = _llm(SPECS[method])
+    assert llm.config.async_scheduling
+    core = llm.core
+    core.runner.drafter.policy = Alternating()
+    overlapped, step = 0, core.step
+
+    def counting_step():
+        nonlocal overlapped
+        out = step()
+        overlapped += bool(core.in_flight)
+        return out
+
+    core.step = counting_step
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                              ignore_eos=True), use_tqdm=False)]
+    metrics = llm.get_metrics()
+    _close(llm)
+    assert [list(t) for t in got] == [list(t) for t in reference]
+    assert metrics["spec_num_accepted_tokens"] > 0 and overlapped > 10

@@ -380,7 +380,7 @@ def test_draft_chain_computes_positions_slots_and_lengths_on_the_device() -> Non
     """The chain's steps see position newest + j + 1, the slot of that position in the request's
     block table (-1 past its blocks), a context of position + 1, and each step's token feeds the
     next; padding rows write nothing; drafts come back in request order, cut at each limit."""
-    from specloop.proposers.step_graphs import ChainGraphs, greedy_drafts
+    from specloop.proposers.chain_graphs import ChainGraphs, greedy_drafts
 
     seen = []
 
@@ -438,7 +438,7 @@ def test_proposal_graphs_draft_from_each_requests_newest_accepted_row() -> None:
     request's output at its newest accepted row, its argmax, then the chain from that row's
     position with slots computed on the device (-1 past the request's blocks; padding requests
     write nothing)."""
-    from specloop.proposers.step_graphs import ProposalGraphs
+    from specloop.proposers.chain_graphs import ProposalGraphs
 
     class Head:  # outputs carry (position, token) so the test can see what fed what
         def __init__(self):
@@ -478,11 +478,11 @@ def test_first_step_graphs_cover_every_draft_count_within_the_token_budget(monke
     step's token budget (at most max_num_seqs), all sharing one pool."""
     from types import SimpleNamespace
 
-    from specloop.proposers import step_graphs
+    from specloop.proposers import chain_graphs, step_graphs
 
     monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda self: None)  # capture needs CUDA
     config = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=10)
-    feeds = step_graphs.capture_feeds(lambda *a: (), config, torch.device("cpu"), 64, 4, 3,
+    feeds = chain_graphs.capture_feeds(lambda *a: (), config, torch.device("cpu"), 64, 4, 3,
                                       [((8,), torch.float32)], pool="shared")
     assert {q: g.sizes[-1] for q, g in feeds.items()} == {1: 4, 2: 4, 3: 3, 4: 2}
     assert all(g.q == q and g.pool == "shared" for q, g in feeds.items())
