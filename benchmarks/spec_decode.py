@@ -151,6 +151,10 @@ class Engine:
         self.times.append(time.perf_counter() - t0)
         if self.stats is None:
             self.stats = counters(before, self.llm.get_metrics())
+            drafter = self.llm.core.runner.drafter
+            diverged = getattr(drafter.proposer, "diverged", None) if drafter is not None else None
+            if diverged is not None:  # acceptance-controlled: requests that left their known continuation
+                self.stats["diverged_requests"] = len(diverged)
             self.stats["tokens"] = [o.outputs[0].token_ids for o in outs]
             self.stats["output_tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -321,7 +325,9 @@ def main() -> None:
                     "steps": row["steps"], "step ratio": row["step_ratio"],
                     "draft cost per step / per token (x target step)":
                         f"{row['draft_step_cost']:.2f} / {row['draft_token_cost']:.2f}",
-                    "identical to no speculation": row["identical"]})
+                    "identical to no speculation": row["identical"],
+                    **({"requests off their known continuation (no drafts after)": row["diverged_requests"]}
+                       if "diverged_requests" in row else {})})
         base.close()
     print("\n| batch | method | K | acceptance | mean acc. len | per-position | draft cost / step | "
           "/ token | step ratio | speedup | ideal | efficiency | identical |")

@@ -7,7 +7,10 @@ included, and speedup can be charted against acceptance for every method.
 ``speculative_config={"method": "controlled", "num_speculative_tokens": K, "extra": {"wraps": "ngram",
 "alpha": 0.8}, ...the wrapped method's own keys}`` with ``plugin_options["controlled"] =
 {"continuations": {tuple(prompt ids): [greedy output ids, ...]}}`` (a greedy run without speculation
-gives them). Greedy requests only: a sampled target has no known continuation.
+gives them). Greedy requests only: a sampled target has no known continuation. A request whose
+output departs from its known continuation (in bf16 the run with drafts can pick another token at
+a near-tie than the run that recorded it) gets no more drafts, since the continuation no longer
+tells what the target will choose; its id goes to ``diverged``, which a benchmark must report.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ class ControlledProposer(Proposer):
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
         self.needs_hidden_states = self.inner.needs_hidden_states
         self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
+        self.catches_up = self.inner.catches_up
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
+        self.diverged: set[str] = set()
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.inner.kv_cache_bytes_per_block()
@@ -68,6 +73,10 @@ class ControlledProposer(Proposer):
             if truth is None:
                 raise KeyError(f"no known continuation for request {inputs.req_ids[i]!r}'s prompt")
             done = len(tokens) - num_prompt  # output tokens so far; the drafts continue from there
+            if inputs.req_ids[i] in self.diverged or list(tokens[num_prompt:].tolist()) != list(truth[:done]):
+                self.diverged.add(inputs.req_ids[i])
+                drafts.append([])
+                continue
             rng = np.random.default_rng([self.seed, num_prompt, done, *tokens[:4].tolist()])
             row = []
             for j in range(int(limits[i])):

@@ -81,6 +81,51 @@ def test_fixed_policy():
     cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     p = FixedPolicy(cfg)
     assert p.choose(["a", "b"], 3) == [3, 3] and p.choose(["a"], 1) == [1]
+    assert all(p.drafting(["a"]) for _ in range(100))
+
+
+def _rated(with_drafts: float, without: float) -> AdaptivePolicy:
+    """Warm, drafting paying by the cost model, and these measured tokens per second."""
+    p = policy(explore_every=1000, probe_every=16, probe_len=4)
+    feed(p, {"a": 0.9, "b": 0.85}, a=5e-3, b=2e-6, draft_cost=1e-5)
+    for _ in range(10):
+        p.observe_rate(True, 100, 100 / with_drafts)
+        p.observe_rate(False, 100, 100 / without)
+    return p
+
+
+def test_it_drafts_nothing_while_steps_without_drafts_are_faster():
+    """Steps with drafts run synchronously; when steps without them (overlapped) commit more
+    tokens per second, the policy turns drafting off, probing it in short runs to notice a change."""
+    p = _rated(with_drafts=1000.0, without=1500.0)
+    assert not p.drafting_pays()
+    decisions = []
+    for _ in range(32):
+        on = p.drafting(["a", "b"])
+        decisions.append(on)
+        assert p.choose(["a", "b"], K) == ([K, K] if on else [0, 0])  # a probe drafts what the plan says
+    # Probes of steps with drafts: steps 1-3, 16-19 and 32 (phase < 4 of every 16).
+    assert [i + 1 for i, on in enumerate(decisions) if on] == [1, 2, 3, 16, 17, 18, 19, 32]
+
+
+def test_it_drafts_while_drafting_is_faster_and_probes_the_other_kind():
+    p = _rated(with_drafts=2000.0, without=1000.0)
+    assert p.drafting_pays()
+    decisions = [p.drafting(["a", "b"]) for _ in range(32)]
+    assert [i + 1 for i, on in enumerate(decisions) if not on] == [1, 2, 3, 16, 17, 18, 19, 32]
+    # The measured rates follow the machine: steps without drafts get faster, drafting turns off.
+    for _ in range(30):
+        p.observe_rate(False, 100, 100 / 4000.0)
+    assert not p.drafting_pays()
+
+
+def test_a_probe_drafts_even_what_the_plan_would_not():
+    p = policy(explore_every=1000, probe_every=16, probe_len=4)
+    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)  # low acceptance: the plan drafts nothing
+    p.observe_rate(True, 100, 1.0)
+    p.observe_rate(False, 100, 0.5)
+    decisions = [(p.drafting(["a"]), p.choose(["a"], K)[0]) for _ in range(17)]
+    assert decisions[0] == (True, 1) and decisions[4] == (False, 0) and decisions[15] == (True, 1)
 
 
 @pytest.mark.parametrize("policy_name", ["adaptive", "fixed"])
@@ -113,10 +158,48 @@ def test_controlled_proposer_accepts_at_alpha(alpha):
                                    "num_speculative_tokens": 3})
     got = spec.generate(prompts, params, use_tqdm=False)
     m = spec.get_metrics()
+    diverged = spec.core.runner.drafter.proposer.diverged
     spec.core.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs]
+    assert not diverged
     per_pos = [n / m["spec_num_drafts"] for n in m["spec_num_accepted_tokens_per_pos"]]
     assert m["spec_num_drafts"] > 60
     # Position i is accepted when it and every draft before it were right: alpha ** (i + 1).
     for i, rate in enumerate(per_pos[:2]):
         assert abs(rate - alpha ** (i + 1)) < 0.12, (i, rate)
+
+
+def test_controlled_proposer_stops_drafting_a_request_off_its_continuation():
+    """A request whose output leaves its recorded continuation gets no more drafts and is
+    reported; the others draft on, and outputs are the target's."""
+    prompts = ["def read(path):\n", "import os\nimport sys\n"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = dict(block_size=4, num_kv_blocks=80, max_model_len=96)
+    plain = LLM(**engine)
+    outs = plain.generate(prompts, params, use_tqdm=False)
+    plain.core.shutdown()
+    truth = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
+    wrong = tuple(outs[0].prompt_token_ids)
+    truth[wrong][10] = (truth[wrong][10] + 1) % 100  # as if the recording run had picked another token
+    spec = LLM(**engine, plugin_options={"controlled": {"continuations": truth}},
+               speculative_config={"method": "controlled", "extra": {"wraps": "ngram", "alpha": 1.0},
+                                   "num_speculative_tokens": 3})
+    seen = []
+    proposer = spec.core.runner.drafter.proposer
+    propose = proposer.propose
+
+    def recording(inputs):
+        proposal = propose(inputs)
+        seen.extend(zip(inputs.req_ids, [len(t) - int(n) for t, n in zip(inputs.token_ids, inputs.num_prompt_tokens)],
+                        map(len, proposal.draft_token_ids)))
+        return proposal
+
+    proposer.propose = recording
+    got = spec.generate(prompts, params, use_tqdm=False)
+    diverged = set(proposer.diverged)
+    spec.core.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs]
+    first, second = (o.request_id for o in got)
+    assert diverged == {first}
+    assert all(n == 0 for rid, done, n in seen if rid == first and done > 11)  # past the bad token
+    assert any(n > 0 for rid, done, n in seen if rid == second and done > 11)
