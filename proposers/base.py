@@ -132,6 +132,19 @@ def draft_limits(config: EngineConfig, inputs: ProposerInputs, k: int) -> np.nda
     return np.clip(room, 0, k)
 
 
+@dataclass(slots=True)
+class KeepUpInputs:
+    """A decode step of one row per request, as :meth:`Proposer.keep_up` sees it: row ``i`` is
+    request ``req_ids[i]`` at ``positions[i]``; the token after it is still on the device."""
+
+    req_ids: list[str]
+    positions: np.ndarray  # [B] host
+    block_ids: list[list[int]]
+    hidden_states: torch.Tensor  # [B, H] final states
+    aux_hidden_states: tuple[torch.Tensor, ...]  # one [B, H] per hidden_state_layers
+    next_token_ids: torch.Tensor  # [B] int64, on the device: the tokens this step sampled
+
+
 class Proposer(ABC):
     """A speculative proposer, built by ``factory(config=..., context=...)`` from the proposer
     registry, then called directly by the model runner once per step.
@@ -153,6 +166,9 @@ class Proposer(ABC):
     # call in steps that draft nothing, which asynchronous scheduling overlaps; a proposer whose
     # cache is fed the target's hidden states of every step keeps being called.
     catches_up: bool = False
+    # Implements keep_up: after a decode step the policy drafts nothing for, it brings its per-step
+    # state up to date from device tensors, with no host read, so that step can overlap too.
+    keeps_up: bool = False
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config
@@ -174,6 +190,11 @@ class Proposer(ABC):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         """Drafts for the next step: at most ``num_speculative_tokens`` per request and never
         past :func:`draft_limits`."""
+
+    def keep_up(self, step: KeepUpInputs) -> None:
+        """Instead of ``propose`` (with ``keeps_up``), after a decode step of one row per
+        request that drafts nothing: feed whatever this proposer feeds every step."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep up without proposing")
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Forget finished and preempted requests (a preempted one is recomputed from scratch)."""

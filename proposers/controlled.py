@@ -22,7 +22,7 @@ import numpy as np
 
 from specloop.kernel.config import EngineConfig, SpeculativeConfig
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 
 class ControlledProposer(Proposer):
@@ -49,7 +49,7 @@ class ControlledProposer(Proposer):
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
         self.needs_hidden_states = self.inner.needs_hidden_states
         self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
-        self.catches_up = self.inner.catches_up
+        self.catches_up, self.keeps_up = self.inner.catches_up, self.inner.keeps_up
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
         self.diverged: set[str] = set()
@@ -62,6 +62,9 @@ class ControlledProposer(Proposer):
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         self.inner.remove_requests(req_ids)
+
+    def keep_up(self, step: KeepUpInputs) -> None:
+        self.inner.keep_up(step)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         self.inner.propose(inputs)  # its cost is what is being measured

@@ -43,7 +43,7 @@ from specloop.models.attention import AttentionMetadata
 from specloop.models.context import ForwardContext
 from specloop.models.loader import resolve_dtype
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
 from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
@@ -55,6 +55,7 @@ class EagleProposer(Proposer):
 
     version = 1
     needs_hidden_states = True
+    keeps_up = True
     runs_on_prefill_chunks = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
@@ -78,6 +79,7 @@ class EagleProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
+        self.follow: StepGraphs | None = None  # keep_up's feed of one row per request
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
@@ -86,7 +88,7 @@ class EagleProposer(Proposer):
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.chain, self.feed_graphs = None, {}
+        self.chain, self.feed_graphs, self.follow = None, {}, None
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
             c = self.config
@@ -95,9 +97,12 @@ class EagleProposer(Proposer):
             self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
                                              self.num_speculative_tokens, [hidden], step=self._step,
                                              argmax=self._argmax)
+            self.follow = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
+                                     extra=[hidden], pool=last_pool(self.feed_graphs))
+            self.follow.capture()
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                         self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
+                                         self.num_speculative_tokens - 1, hidden, pool=self.follow.pool)
                 self.chain.capture()
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
@@ -117,6 +122,17 @@ class EagleProposer(Proposer):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
             return self._propose(inputs)
+
+    def keep_up(self, step: KeepUpInputs) -> None:
+        """Each request's newest position into the head's cache (its hidden state with the token
+        sampled after it, still on the device), as a proposal's first step would write it."""
+        n = len(step.req_ids)
+        with torch.inference_mode():
+            hidden = self._target_hidden(step, slice(0, n))
+            if self.follow is not None and self.follow.fits(n):
+                self.follow.run(step.next_token_ids, step.positions, step.block_ids, hidden)
+            else:
+                self._forward(step, range(n), step.next_token_ids, hidden, step.positions, list(range(n + 1)))
 
     def _propose(self, inputs: ProposerInputs) -> DraftProposal:
         n = inputs.num_reqs

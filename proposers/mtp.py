@@ -44,7 +44,7 @@ from specloop.models.context import ForwardContext
 from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
@@ -56,6 +56,7 @@ MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": De
 class MTPProposer(Proposer):
     needs_hidden_states = True
     runs_on_prefill_chunks = True
+    keeps_up = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -94,6 +95,7 @@ class MTPProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K (one-layer checkpoints)
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
+        self.follow: StepGraphs | None = None  # keep_up's feed of one row per request
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
@@ -101,7 +103,7 @@ class MTPProposer(Proposer):
     def initialize(self, num_kv_blocks: int) -> None:
         shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.chain, self.feed_graphs = None, {}
+        self.chain, self.feed_graphs, self.follow = None, {}, None
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
@@ -112,10 +114,27 @@ class MTPProposer(Proposer):
         one = self.num_layers == 1
         self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden],
                                          step=self._step if one else None, argmax=self._first_argmax if one else None)
+        self.follow = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
+                                 extra=[hidden], pool=last_pool(self.feed_graphs))
+        self.follow.capture()
         if self.num_layers == 1 and k > 1:
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
-                                     pool=last_pool(self.feed_graphs))
+                                     pool=self.follow.pool)
             self.chain.capture()
+
+    def keep_up(self, step: KeepUpInputs) -> None:
+        """Every layer's cache entry for each request's newest position (the target's hidden state
+        there with the token sampled after it, still on the device), as the next proposal's first
+        step would write it."""
+        n = len(step.req_ids)
+        with torch.inference_mode():
+            hidden = step.hidden_states.to(self.dtype)
+            if self.follow is not None and self.follow.fits(n):
+                self.follow.run(step.next_token_ids, step.positions, step.block_ids, hidden)
+                return
+            positions = [step.positions[i:i + 1] for i in range(n)]
+            for layer in range(self.num_layers):
+                self._forward(step, range(n), positions, step.next_token_ids, hidden, layer)
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
@@ -228,6 +247,6 @@ class MTPProposer(Proposer):
             qsl.append(qsl[-1] + len(p))
         meta = AttentionMetadata.build(qsl, seq_lens, np.concatenate(slots).tolist(),
                                        [inputs.block_ids[i] for i in reqs], dev)
-        embeds = self.embed_tokens(torch.from_numpy(tokens).to(dev)).to(self.dtype)
+        embeds = self.embed_tokens(torch.as_tensor(tokens).to(dev)).to(self.dtype)
         return self.model(embeds, torch.from_numpy(np.concatenate(positions)).to(dev), hidden,
                           ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops), layer)

@@ -229,14 +229,17 @@ def _eager_captures(monkeypatch: Any) -> list:
     return captured
 
 
-def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 10) -> None:
+def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16) -> None:
     """The greedy graph paths of a proposer (EAGLE-3 and MTP: the whole proposal of a uniform step,
     its first step over every target row; the draft model: its first step over its newest one or
     two tokens, then the further steps; all: the further steps after an eager first step as one
     chain), run eagerly on the graphs' static buffers under the Triton kernels, positions and slots
     computed on the device: the same drafts, step by step, as the proposer's eager path, and the
-    same output as without drafts."""
+    same output as without drafts. Drafting runs in runs (a scripted policy), so EAGLE-3 and MTP
+    also keep up after the steps without drafts (their one-row feed graph)."""
     from pathlib import Path
+
+    from scripted_policy import Alternating
 
     from specloop import LLM, SamplingParams
 
@@ -262,9 +265,11 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner = llm.core.runner
                 prop = runner.drafter.proposer
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
-                # the feeds' graph sets, then the chain's (captured last)
+                runner.drafter.policy = Alternating(on=3, off=2)
+                # the feeds' graph sets, keep_up's, then the chain's (captured last)
                 assert prop.graphs_on is (mode == "graphs")
-                assert captured == ([*prop.feed_graphs.values(), prop.chain] if mode == "graphs" else []), captured
+                order = [*prop.feed_graphs.values(), getattr(prop, "follow", None), prop.chain]
+                assert captured == ([g for g in order if g is not None] if mode == "graphs" else []), captured
                 seen: list = []
                 propose = prop.propose
                 prop.propose = _recording(propose, seen)
@@ -275,6 +280,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
             if mode == "graphs":
                 replays = {"steps": prop.chain.num_replays,
                            **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()}}
+                if getattr(prop, "follow", None) is not None:
+                    replays["keep up"] = prop.follow.num_replays
         finally:
             llm.core.shutdown()
     assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
@@ -282,6 +289,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     # The draft model feeds two tokens after a step that accepted every draft; the heads and MTP
     # feed all K + 1 = 4 rows of a verification step.
     assert replays["steps"] > 0 and replays["feed q=2" if method == "draft_model" else "feed q=4"] > 0, replays
+    assert method == "draft_model" or replays["keep up"] > 0, replays
 
 
 def _recording(propose: Any, seen: list) -> Any:

@@ -243,3 +243,46 @@ def test_aborts_between_steps_with_and_without_drafts_leak_nothing():
             assert got[rid] == list(tokens[:len(got[rid])])
         else:
             assert got[rid] == list(tokens), rid
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_proposer_that_keeps_up_drafts_as_if_called_every_step(method):
+    """EAGLE-3 and MTP feed their caches from every step's hidden states. After a decode step the
+    policy drafts nothing for, ``keep_up`` feeds the step from device tensors instead of a whole
+    proposal: the drafts of every later proposal are exactly those of a run that proposed (zero
+    drafts) after every step."""
+    from specloop.frontend.model_path import default_model_dir
+
+    path = default_model_dir("specloop-tiny-mtp" if method == "mtp" else "specloop-tiny")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = default_model_dir("specloop-tiny-eagle3")
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    drafts, kept = {}, {}
+    for keeps_up in (False, True):
+        llm = LLM(path, speculative_config=spec, **ENGINE)
+        try:
+            drafter = llm.core.runner.drafter
+            drafter.policy = Alternating()
+            proposer = drafter.proposer
+            proposer.keeps_up = keeps_up
+            seen, calls = [], []
+            propose, keep_up = proposer.propose, proposer.keep_up
+
+            def recording(inputs, propose=propose, seen=seen):
+                proposal = propose(inputs)
+                if drafter.policy.active:
+                    seen.append(dict(zip(inputs.req_ids, map(list, proposal.draft_token_ids))))
+                return proposal
+
+            def counting(step, keep_up=keep_up, calls=calls):
+                calls.append(len(step.req_ids))
+                keep_up(step)
+
+            proposer.propose, proposer.keep_up = recording, counting
+            llm.generate(PROMPTS, greedy, use_tqdm=False)
+            drafts[keeps_up], kept[keeps_up] = seen, len(calls)
+        finally:
+            llm.core.shutdown()
+    assert kept[False] == 0 and kept[True] > 10
+    assert len(drafts[True]) > 10 and drafts[True] == drafts[False]

@@ -163,4 +163,4 @@ class FastSamplingStage:
                 sampled[i] = [values[first]]
             return sampled
 
-        return SampleResult([], None, {}, wait=wait)
+        return SampleResult([], None, {}, wait=wait, device_tokens=tokens)
