@@ -72,9 +72,9 @@ for s in $stages; do
              --engine-args "--skip-tokenizer-init --dtype bfloat16" ;;
     spec)  # speculative decoding on the default models (greedy, held-out prompts), fixed and adaptive K
       stage spec_default "${T_SPEC:-300}" python3 benchmarks/spec_decode.py --out "$RES/spec" --device cuda \
-             --batch-sizes 1,32 --ks "${SPEC_KS:-1,3}" --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --repeat 2
+             --batch-sizes "${SPEC_BATCHES:-1,32}" --ks "${SPEC_KS:-1,3}" --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --repeat 2
       stage spec_adaptive "${T_SPEC_ADAPTIVE:-200}" python3 benchmarks/spec_decode.py --out "$RES/spec_adaptive" \
-             --device cuda --batch-sizes 1,32 --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --policy adaptive \
+             --device cuda --batch-sizes "${SPEC_BATCHES:-1,32}" --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --policy adaptive \
              --repeat 2 ;;
     spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram and a one-layer (EAGLE-cost) draft
       stage spec_controlled_8b "${T_SPEC8B:-330}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \

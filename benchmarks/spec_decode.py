@@ -311,6 +311,8 @@ def main() -> None:
                 ideal = run["mean_acceptance_length"] * (base.seconds / base_steps) / (engine.seconds / run["steps"])
                 row = {"batch": b, "method": method, "k": k, "seconds": engine.seconds,
                        "base_seconds": base.seconds, "speedup": speedup, "ideal_speedup": ideal,
+                       # every timed run, for the spread: the fastest of each counts
+                       "runs_seconds": list(engine.times), "base_runs_seconds": list(base.times),
                        "efficiency": speedup / ideal, "step_ratio": base_steps / run["steps"],
                        "identical": run["tokens"] == base.stats["tokens"],
                        "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
@@ -321,6 +323,8 @@ def main() -> None:
                     "acceptance rate": row["acceptance_rate"], "mean acceptance length": row["mean_acceptance_length"],
                     "per-position acceptance": ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]),
                     "seconds (no speculation)": f"{engine.seconds:.3f} ({base.seconds:.3f})",
+                    "all runs (no speculation)": " ".join(f"{t:.3f}" for t in engine.times)
+                                                 + " (" + " ".join(f"{t:.3f}" for t in base.times) + ")",
                     "speedup": speedup, "ideal speedup": ideal, "efficiency": row["efficiency"],
                     "steps": row["steps"], "step ratio": row["step_ratio"],
                     "draft cost per step / per token (x target step)":
