@@ -17,7 +17,6 @@ earlier-captured graph replays.
 from __future__ import annotations
 
 import bisect
-import logging
 import weakref
 from typing import Callable, Sequence
 
@@ -26,9 +25,7 @@ import torch
 
 from specloop.models.attention import AttentionMetadata
 
-from .step_graphs import StepFn, StepGraphs, graph_sizes
-
-logger = logging.getLogger("specloop")
+from .step_graphs import StepFn, StepGraphs, capture_sizes, graph_sizes
 
 
 class ChainGraphs:
@@ -76,21 +73,9 @@ class ChainGraphs:
                            self.block_tables[:size], self.query_start_loc[:size + 1])
 
     def capture(self) -> None:
-        pool = self.pool
-        for size in sorted(self.sizes, reverse=True):
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode():
-                self._packed[:, :size].zero_()  # padding: position 0, nothing writable
-                self.chain(size)  # warm-up outside the graph
-                torch.cuda.synchronize(self.device)
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.chain(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        self.pool = pool
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs of %d-step draft chains (up to %d requests)",
-                    len(self.graphs), self.num_steps, max(self.sizes))
+        # padding: position 0, nothing writable
+        capture_sizes(self, lambda size: self._packed[:, :size].zero_(), self.chain,
+                      f"{self.num_steps}-step draft chains")
 
     def fits(self, num_reqs: int) -> bool:
         return num_reqs <= self.sizes[-1]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,27 @@ def graph_sizes(max_reqs: int) -> list[int]:
     multiple of 16 up to ``max_reqs`` (and ``max_reqs`` itself)."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_reqs] + list(range(16, max_reqs + 1, 16))
     return sorted(set(sizes + [max_reqs]))
+
+
+def capture_sizes(graphs: Any, prepare: Callable[[int], Any], forward: Callable[[int], Any],
+                  what: str) -> None:
+    """Capture ``forward(size)`` into ``graphs.graphs[size]`` (its outputs into
+    ``graphs.outputs[size]``) for every size, largest first, all in ``graphs.pool`` (a new pool if
+    None), after ``prepare(size)`` and one warm-up run outside the graph."""
+    pool = graphs.pool
+    for size in sorted(graphs.sizes, reverse=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode():
+            prepare(size)
+            forward(size)  # warm-up outside the graph
+            torch.cuda.synchronize(graphs.device)
+            with torch.cuda.graph(graph, pool=pool):
+                graphs.outputs[size] = forward(size)
+        pool = graph.pool()
+        graphs.graphs[size] = graph
+    graphs.pool = pool
+    torch.cuda.synchronize(graphs.device)
+    logger.info("captured %d CUDA graphs of %s (up to %d requests)", len(graphs.graphs), what, max(graphs.sizes))
 
 
 class StepGraphs:
@@ -81,21 +102,8 @@ class StepGraphs:
         self.pool = pool  # a memory pool shared with other graphs of the same proposer, if given
 
     def capture(self) -> None:
-        pool, q = self.pool, self.q
-        for size in sorted(self.sizes, reverse=True):
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode():
-                self._fill_padding(0, size)
-                self.forward(size)  # warm-up outside the graph
-                torch.cuda.synchronize(self.device)
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        self.pool = pool
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs of draft steps of %d tokens per request (up to %d requests)",
-                    len(self.graphs), q, max(self.sizes))
+        capture_sizes(self, lambda size: self._fill_padding(0, size), self.forward,
+                      f"draft steps of {self.q} tokens per request")
 
     def forward(self, size: int) -> tuple[torch.Tensor, ...]:
         """What a graph runs: the step over the first ``size`` requests of the static inputs."""

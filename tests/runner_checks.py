@@ -125,7 +125,7 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
     the steps without drafts deferred and overlapped, those with drafts committed before the next
     plan; greedy output equal to the synchronous torch runner's without drafts, through chunked
     prefill and preemption."""
-    from scripted_policy import Alternating
+    from scripted_policy import Alternating, OverlapCounter
 
     from specloop import LLM, SamplingParams
 
@@ -133,7 +133,7 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
     base = [p[:9] for p in prompts(3, seed=21, min_len=9, max_len=20)]
     prompts_ = [p + p[:6] + p for p in base]  # repeats for n-gram lookup to find
     params = SamplingParams(max_tokens=14, temperature=0.0)
-    outs, overlapped = {}, 0
+    outs, overlapped = {}, None
     for runner, mode in (("torch", False), ("gpu", True)):
         spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if mode else None
         llm = LLM(model.path, model_runner=runner, async_scheduling=mode, device=device, dtype=dtype,
@@ -143,15 +143,7 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
             core = llm.core
             if mode:
                 core.runner.drafter.policy = Alternating()
-                step = core.step
-
-                def counting_step():
-                    nonlocal overlapped
-                    out = step()
-                    overlapped += bool(core.in_flight)
-                    return out
-
-                core.step = counting_step
+                overlapped = OverlapCounter(core)
             got = llm.generate([{"prompt_token_ids": p} for p in prompts_], params, use_tqdm=False)
             outs[runner] = [o.outputs[0].token_ids for o in got]
             if mode:
@@ -159,7 +151,7 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
         finally:
             llm.core.shutdown()
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
-    assert overlapped > 0
+    assert overlapped.count > 0
 
 
 def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int = 24) -> None:

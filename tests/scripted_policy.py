@@ -1,4 +1,4 @@
-"""A scripted speculation policy for tests."""
+"""A scripted speculation policy for tests, and a count of overlapped steps."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ class Alternating:
 
     def forget(self, req_ids):
         pass
+
+
+class OverlapCounter:
+    """Wraps ``core.step``: counts the steps after which a launched plan is still in flight (the
+    next one will be planned before it commits)."""
+
+    def __init__(self, core) -> None:
+        self.count, self._step, self._core = 0, core.step, core
+        core.step = self.step
+
+    def step(self):
+        out = self._step()
+        self.count += bool(self._core.in_flight)
+        return out

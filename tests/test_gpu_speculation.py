@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 from hf_models import prompts
-from scripted_policy import Alternating
+from scripted_policy import Alternating, OverlapCounter
 
 from specloop import LLM, SamplingParams, StructuredOutputsParams
 from specloop.frontend.model_path import default_model_dir
@@ -133,18 +133,10 @@ def test_drafting_in_runs_overlaps_the_steps_without_drafts(method: str, batch: 
     assert llm.config.async_scheduling
     core = llm.core
     core.runner.drafter.policy = Alternating()
-    overlapped, step = 0, core.step
-
-    def counting_step():
-        nonlocal overlapped
-        out = step()
-        overlapped += bool(core.in_flight)
-        return out
-
-    core.step = counting_step
+    overlapped = OverlapCounter(core)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
                                                                               ignore_eos=True), use_tqdm=False)]
     metrics = llm.get_metrics()
     _close(llm)
     assert [list(t) for t in got] == [list(t) for t in reference]
-    assert metrics["spec_num_accepted_tokens"] > 0 and overlapped > 10
+    assert metrics["spec_num_accepted_tokens"] > 0 and overlapped.count > 10
