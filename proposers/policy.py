@@ -19,6 +19,7 @@ per second of steps with drafts against steps without.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -181,7 +182,7 @@ class AdaptivePolicy:
             self.mode = "probe"
             return True
         self.mode = "plan"
-        return any(self._plan(req_ids, self.k))
+        return self._first_draft_pays(req_ids)
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         self.num_choices += 1
@@ -199,24 +200,32 @@ class AdaptivePolicy:
         """Per-request draft counts from acceptance and the cost model (class docstring)."""
         a, b = self.cost_model()
         ks = [0] * len(req_ids)
-        reach = [1.0] * len(req_ids)  # probability that every draft so far is accepted
         accept = [self.acceptance(r) for r in req_ids]
         expected = float(len(req_ids))  # each request's own token
         seconds = a + b * len(req_ids)
-        while True:
-            best, best_gain = -1, 0.0
-            for j in range(len(req_ids)):
-                if ks[j] < limit:
-                    gain = reach[j] * accept[j][ks[j]]
-                    if gain > best_gain:
-                        best, best_gain = j, gain
-            if best < 0 or best_gain <= expected * (b + self.draft_cost) / seconds:
+        # (-gain of the request's next draft, request): a draft's gain is the chance that it and
+        # every earlier one are accepted, so each request's gains only fall as it gets more.
+        heap = [(-acc[0], j) for j, acc in enumerate(accept)] if limit > 0 else []
+        heapq.heapify(heap)
+        while heap:
+            gain, j = -heap[0][0], heap[0][1]
+            if gain <= 0.0 or gain <= expected * (b + self.draft_cost) / seconds:
                 break
-            ks[best] += 1
-            reach[best] = best_gain
-            expected += best_gain
+            heapq.heappop(heap)
+            ks[j] += 1
+            expected += gain
             seconds += b + self.draft_cost
+            if ks[j] < limit:
+                heapq.heappush(heap, (-gain * accept[j][ks[j]], j))
         return ks
+
+    def _first_draft_pays(self, req_ids: Sequence[str]) -> bool:
+        """Whether :meth:`_plan` gives anyone a draft: its first pick passes the threshold."""
+        if not req_ids:
+            return False
+        a, b = self.cost_model()
+        best = max(self.acceptance(r)[0] for r in req_ids)
+        return best > 0.0 and best > len(req_ids) * (b + self.draft_cost) / (a + b * len(req_ids))
 
     def observe(self, step: StepObservation) -> None:
         self.steps.append((step.num_tokens, step.step_seconds))
