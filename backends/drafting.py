@@ -45,6 +45,12 @@ class StepRecord:
 
 class DraftingStage:
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, config: EngineConfig) -> None:
+        # Every rank runs the proposer and asks the policy; their calls must agree step by step.
+        if config.tensor_parallel_size > 1 and not getattr(policy, "same_on_every_rank", False):
+            name = getattr(config.speculative_config, "policy", type(policy).__name__)
+            raise ValueError(f"speculative_config.policy={name!r} decides from timings each rank measures for "
+                             f"itself, so the ranks would draft differently; with tensor_parallel_size > 1 use "
+                             f"'fixed'")
         self.proposer = proposer
         self.policy = policy
         self.config = config

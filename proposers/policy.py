@@ -60,6 +60,8 @@ class SpeculationPolicy(Protocol):
 class FixedPolicy:
     """Always ``k`` drafts (``num_speculative_tokens`` unless changed, e.g. by a benchmark)."""
 
+    same_on_every_rank = True  # decides from nothing a rank measures (tensor parallelism)
+
     def __init__(self, config: EngineConfig) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 0

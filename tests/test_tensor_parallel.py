@@ -204,3 +204,11 @@ def test_two_gpus_match_one_through_cuda_graphs(shutdown: Any) -> None:
     shutdown(two)
     assert tokens(two, batch, greedy) == expected == [model.greedy(p, 16) for p in batch]
     assert two.core.runner.local.parts.executor.num_replays > 0
+
+
+def test_a_policy_that_decides_from_timings_is_refused_across_ranks() -> None:
+    """Each rank runs the proposer and asks its own policy; the adaptive one decides from timings
+    that differ by rank, so the ranks would draft differently (and their collectives part)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "policy": "adaptive"}
+    with pytest.raises(ValueError, match="policy='adaptive'.*tensor_parallel_size > 1"):
+        LLM(tiny("qwen3").path, **ENGINE, tensor_parallel_size=2, speculative_config=spec)
