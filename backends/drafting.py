@@ -35,6 +35,7 @@ class StepRecord:
     propose: bool  # call the proposer after sampling
     drafts: bool  # a step with drafts: it verifies some, or the policy wants some after it
     started: float  # when it began sampling
+    length: int = 0  # the policy's speculation length for it (steps of one length are compared)
     tokens: int | None = None  # tokens it commits, once sampled
 
     @property
@@ -63,16 +64,17 @@ class DraftingStage:
         """Called as a step starts sampling: whether to propose after it (the policy's
         ``drafting``; always for a proposer that can neither skip steps nor keep up, and for one
         that keeps up when the runner samples off the calling thread). Reports the previous
-        step's tokens per second to the policy when it sat between steps of its own kind."""
-        wanted = self.policy.drafting(list(plan.num_scheduled_tokens))
+        step's tokens per second to the policy when it sat between steps of its own length."""
+        length = int(self.policy.drafting(list(plan.num_scheduled_tokens)))
+        wanted = length > 0
         drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
         skips = self.proposer.catches_up or (self.proposer.keeps_up and inline)
-        record = StepRecord(wanted or not skips, drafts, time.perf_counter())
+        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length)
         if self._last is not None:
             previous, before = self._last
-            if (before is not None and before.drafts == previous.drafts == drafts and previous.tokens
+            if (before is not None and before.length == previous.length == length and previous.tokens
                     and record.started > previous.started):
-                self.policy.observe_rate(drafts, previous.tokens, record.started - previous.started)
+                self.policy.observe_rate(length, previous.tokens, record.started - previous.started)
             self._last = (record, previous)
         else:
             self._last = (record, None)

@@ -1,26 +1,22 @@
 """Speculation policies: how many drafts each request gets in the next step.
 
 Speculation pays when the tokens a verification step commits grow faster than the step's cost.
-Both sides move: acceptance differs by request and by position in the draft, and a step's cost grows
-with the tokens it computes (a little at small batch, where the forward is bandwidth-bound, a lot at
-large batch, where it is compute-bound) plus what drafting costs. The ``adaptive`` policy measures
-both and picks, per request and per step, the draft counts that maximise expected tokens per second;
-``fixed`` always asks for ``num_speculative_tokens``.
+Both sides move: acceptance differs by request, by position in the draft and by method; a step's
+cost grows with the tokens it computes (a little at small batch, a lot at large batch, where the
+forward is compute-bound), with what drafting costs, and with what it does to the pipeline (a step
+without drafts overlaps the next one under asynchronous scheduling; a step with drafts does not,
+since the next plan needs its accepted counts). No cost model sees all of that, so the ``adaptive``
+policy measures the one figure that matters: committed tokens per second at each speculation length,
+per batch size. ``fixed`` always asks for ``num_speculative_tokens``.
 
-The model runner's drafting stage asks :meth:`SpeculationPolicy.drafting` at every step whether
-to propose at all, calls :meth:`SpeculationPolicy.choose` before proposing and
-:meth:`SpeculationPolicy.observe` after, and reports every step's committed tokens and wall time to
-:meth:`SpeculationPolicy.observe_rate`. A step that proposes nothing and verifies nothing is an
-ordinary decode step, which asynchronous scheduling overlaps with the next one; a step with drafts
-is synchronous (the next plan needs its accepted counts). Whether drafting pays therefore depends
-on more than the draft and verification costs, and the adaptive policy measures it directly: tokens
-per second of steps with drafts against steps without.
+The model runner's drafting stage asks :meth:`SpeculationPolicy.drafting` at every step for the
+step's speculation length (0: propose nothing after it), calls :meth:`SpeculationPolicy.choose`
+before proposing and :meth:`SpeculationPolicy.observe` after, and reports the tokens and wall time
+of every step that sat amid steps of its own length to :meth:`SpeculationPolicy.observe_rate`.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -40,18 +36,20 @@ class StepObservation:
 
 
 class SpeculationPolicy(Protocol):
-    def drafting(self, req_ids: Sequence[str]) -> bool:
-        """Asked once per step, before it samples: whether to propose after it at all (False:
-        the runner skips a proposer that catches up, and the step may overlap the next)."""
+    def drafting(self, req_ids: Sequence[str]) -> int:
+        """Asked once per step, before it samples: the speculation length it proposes after it, at
+        most (0, or False: none; the runner skips a proposer that catches up, and the step may
+        overlap the next). Steps are grouped by this value for :meth:`observe_rate`."""
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         """Draft counts for these requests' next step, each in ``[0, limit]``."""
 
     def observe(self, step: StepObservation) -> None: ...
 
-    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A step amid steps of its own kind (with drafts, verified or proposed; or without):
-        the tokens it committed and the wall time from its sampling to the next step's."""
+    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
+        """The step before the current one, when it and the steps on either side of it had the
+        same ``drafting`` value ``length``: the tokens it committed and the wall time from its
+        sampling to the next step's."""
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Finished or preempted requests."""
@@ -66,8 +64,8 @@ class FixedPolicy:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 0
 
-    def drafting(self, req_ids: Sequence[str]) -> bool:
-        return self.k > 0
+    def drafting(self, req_ids: Sequence[str]) -> int:
+        return self.k
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         return [min(self.k, limit)] * len(req_ids)
@@ -75,7 +73,7 @@ class FixedPolicy:
     def observe(self, step: StepObservation) -> None:
         pass
 
-    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
         pass
 
     def forget(self, req_ids: Sequence[str]) -> None:
@@ -103,51 +101,61 @@ class _Acceptance:
 
 
 class AdaptivePolicy:
-    """Per-request draft counts from measured acceptance and a measured cost model.
+    """The speculation length with the most committed tokens per second, measured per batch size.
 
-    Acceptance: each request's per-position acceptance, shrunk toward the engine-wide figure
-    (``prior_weight`` pseudo-observations), so a new request starts from what others showed and
-    settles on its own. Cost: a step of ``T`` target tokens costs ``a + b * T`` seconds (least
-    squares over the last ``window`` steps) plus ``c`` seconds per drafted token. Choice: start every
-    request at 0 drafts and add one draft at a time where the expected gain (the probability that
-    this and every earlier draft are accepted) is largest, while it raises expected tokens per second:
-    ``gain > E * (b + c) / t`` for the step's current expected tokens ``E`` and cost ``t``. Until the
-    model has ``warmup`` steps it asks for the full ``limit``; every ``explore_every`` steps a request
-    at 0 gets one draft, so a request that turned speculation off can turn it back on.
+    Lengths ``0..K`` are the arms. For each batch-size bucket (a power of two) the policy keeps, per
+    length, decayed sums of the tokens and wall seconds of steps run at that length amid steps of the
+    same length (:meth:`observe_rate`), and runs the length with the highest rate. Every other length
+    is probed in runs of ``probe_len`` steps, each as often as keeps its expected loss under
+    ``probe_cost`` of the time. A probe loses its steps' shortfall against the best rate plus about
+    one step of each length for its two switches (a pipeline drains, a proposer catches up); it
+    comes once that loss is ``probe_cost`` of the steps since the last, and not more often than every
+    ``min_interval`` steps. A length a bucket has not measured borrows the rate of
+    the nearest bucket that has (as a prior: it is probed on the same schedule); one nobody has
+    measured is probed first, ``K`` before 0 before the rest.
 
-    On or off: the cost model sees only steps with drafts, which run synchronously, while steps
-    without drafts overlap under asynchronous scheduling and cost less than ``a + b * T`` says. So
-    the policy also keeps the measured tokens per second of both kinds of step (decayed sums, steps
-    amid their own kind only) and drafts nothing while steps without drafts are faster. Every
-    ``probe_every`` steps it runs ``probe_len`` steps of the other kind to keep both figures fresh.
+    Within the step's length each request stops at the first draft position whose chance of being
+    reached and accepted (the product of its per-position acceptance, shrunk toward the engine-wide
+    figure with ``prior_weight`` pseudo-observations) is below ``min_gain``; a request stopped at 0
+    gets one draft every ``explore_every`` choices, so it can come back. (Where the runner pads drafts
+    to one count for a CUDA graph, the step's length is what runs.)
     """
 
-    def __init__(self, config: EngineConfig, *, window: int = 64, warmup: int = 8, prior_weight: float = 4.0,
-                 explore_every: int = 16, probe_every: int = 64, probe_len: int = 4) -> None:
+    def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
+                 min_interval: int = 64, decay: float = 0.99, min_gain: float = 0.1, prior_weight: float = 4.0,
+                 explore_every: int = 16) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
-        self.window, self.warmup, self.prior_weight, self.explore_every = window, warmup, prior_weight, explore_every
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
-        self.draft_cost = 0.0  # seconds per drafted token (exponential moving average)
+        if probe_len < 3:  # a rate is measured on a step amid two of its own length
+            raise ValueError(f"probe_len must be at least 3, got {probe_len}")
+        self.probe_len, self.probe_cost, self.min_interval, self.decay = probe_len, probe_cost, min_interval, decay
+        self.min_gain, self.prior_weight, self.explore_every = min_gain, prior_weight, explore_every
         self.engine = _Acceptance(self.k)
         self.requests: dict[str, _Acceptance] = {}
         self.num_choices = 0
-        self.probe_every, self.probe_len = probe_every, probe_len
         self.num_steps = 0
-        self.mode = "plan"  # this step's: "plan" (per-request counts), "off", or "probe" (drafts forced)
-        # Decayed [tokens, seconds] of steps with drafts (True) and without (False).
-        self.rates: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        # (bucket, length) -> decayed [tokens, seconds, steps]; (bucket, length) -> step last probed.
+        self.rates: dict[tuple[int, int], list[float]] = {}
+        self.probed: dict[tuple[int, int], int] = {}
+        self.first_seen: dict[int, int] = {}
+        self.length = self.k  # this step's
+        self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
+        self._buckets = (0, 0)  # the previous step's bucket and this one's
 
-    # --- model -------------------------------------------------------------------------------------
+    # --- measurements --------------------------------------------------------------------------------
 
-    def cost_model(self) -> tuple[float, float]:
-        """``(a, b)`` of ``step_seconds = a + b * tokens``; b is clamped at 0."""
-        n = len(self.steps)
-        mean_t = sum(t for t, _ in self.steps) / n
-        mean_s = sum(s for _, s in self.steps) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self.steps)
-        b = max(sum((t - mean_t) * (s - mean_s) for t, s in self.steps) / var, 0.0) if var > 0 else 0.0
-        return max(mean_s - b * mean_t, 1e-9), b
+    def rate(self, bucket: int, length: int) -> tuple[float, float] | None:
+        """Measured ``(tokens per second, seconds per step)`` at this length in this bucket; None
+        before any."""
+        kept = self.rates.get((bucket, length))
+        return (kept[0] / kept[1], kept[1] / kept[2]) if kept and kept[1] > 0 else None
+
+    def estimate(self, bucket: int, length: int) -> tuple[float, float] | None:
+        """The bucket's own :meth:`rate`, else the nearest bucket's (the smaller on a tie), else None."""
+        measured = [b for (b, n) in self.rates if n == length and self.rate(b, n) is not None]
+        if not measured:
+            return None
+        return self.rate(min(measured, key=lambda b: (abs(b - bucket), b)), length)
 
     def acceptance(self, req_id: str) -> list[float]:
         """Conditional acceptance probability of each draft position for this request."""
@@ -160,89 +168,76 @@ class AdaptivePolicy:
             out.append((acc + self.prior_weight * prior) / (tried + self.prior_weight))
         return out
 
-    def rate(self, drafted: bool) -> float | None:
-        """Measured tokens per second of steps with (or without) drafts; None before any."""
-        tokens, seconds = self.rates[drafted]
-        return tokens / seconds if seconds > 0 else None
-
-    def drafting_pays(self) -> bool:
-        with_drafts, without = self.rate(True), self.rate(False)
-        return with_drafts is None or without is None or with_drafts >= without
-
     # --- the policy ---------------------------------------------------------------------------------
 
-    def drafting(self, req_ids: Sequence[str]) -> bool:
+    def drafting(self, req_ids: Sequence[str]) -> int:
         self.num_steps += 1
-        if len(self.steps) < self.warmup:
-            self.mode = "plan"
-            return True
-        probing = self.num_steps % self.probe_every < self.probe_len
-        if self.drafting_pays() == probing:  # off, or a probe of steps without drafts
-            self.mode = "off"
-            return False
-        if probing:  # a probe of steps with drafts
-            self.mode = "probe"
-            return True
-        self.mode = "plan"
-        return self._first_draft_pays(req_ids)
+        bucket = max(len(req_ids), 1).bit_length()
+        self._buckets = (self._buckets[1], bucket)
+        self.first_seen.setdefault(bucket, self.num_steps)
+        if self.probe is not None and self.probe[0] == bucket and self.probe[2] > 0:
+            self.probe = (bucket, self.probe[1], self.probe[2] - 1)
+            self.length = self.probe[1]
+            return self.length
+        self.probe = None
+        self.length = self._next_length(bucket)
+        return self.length
+
+    def _next_length(self, bucket: int) -> int:
+        lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
+        estimates = {n: self.estimate(bucket, n) for n in lengths}
+        unknown = [n for n in lengths if estimates[n] is None]
+        if unknown:
+            return self._start_probe(bucket, unknown[0])
+        best = max(lengths, key=lambda n: (estimates[n][0], -n))
+        best_rate, best_step = estimates[best]
+        due = []
+        for n in lengths:
+            if n == best:
+                continue
+            rate, step = estimates[n]
+            # Seconds a probe loses against the best length: its steps' shortfall, and about one
+            # step of each length for the two switches.
+            loss = self.probe_len * step * (1 - rate / best_rate) + step + best_step
+            interval = max(self.min_interval, loss / (best_step * self.probe_cost))
+            waited = self.num_steps - self.probed.get((bucket, n), self.first_seen[bucket])
+            if waited >= interval:
+                due.append((waited / interval, n))
+        if due:
+            return self._start_probe(bucket, max(due)[1])
+        return best
+
+    def _start_probe(self, bucket: int, length: int) -> int:
+        self.probe = (bucket, length, self.probe_len - 1)
+        self.probed[(bucket, length)] = self.num_steps
+        return length
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
         self.num_choices += 1
-        limit = min(limit, self.k)
-        if len(self.steps) < self.warmup:
-            return [limit] * len(req_ids)
-        if self.mode == "off":
-            return [0] * len(req_ids)
-        ks = self._plan(req_ids, limit)
-        if self.mode == "probe" or self.num_choices % self.explore_every == 0:
-            ks = [max(k, min(1, limit)) for k in ks]
+        limit = min(limit, self.length)
+        explore = self.num_choices % self.explore_every == 0
+        ks = []
+        for rid in req_ids:
+            reach, k = 1.0, 0
+            for p in self.acceptance(rid)[:limit]:
+                if reach * p < self.min_gain:
+                    break
+                reach *= p
+                k += 1
+            ks.append(max(k, min(1, limit)) if explore else k)
         return ks
-
-    def _plan(self, req_ids: Sequence[str], limit: int) -> list[int]:
-        """Per-request draft counts from acceptance and the cost model (class docstring)."""
-        a, b = self.cost_model()
-        ks = [0] * len(req_ids)
-        accept = [self.acceptance(r) for r in req_ids]
-        expected = float(len(req_ids))  # each request's own token
-        seconds = a + b * len(req_ids)
-        # (-gain of the request's next draft, request): a draft's gain is the chance that it and
-        # every earlier one are accepted, so each request's gains only fall as it gets more.
-        heap = [(-acc[0], j) for j, acc in enumerate(accept)] if limit > 0 else []
-        heapq.heapify(heap)
-        while heap:
-            gain, j = -heap[0][0], heap[0][1]
-            if gain <= 0.0 or gain <= expected * (b + self.draft_cost) / seconds:
-                break
-            heapq.heappop(heap)
-            ks[j] += 1
-            expected += gain
-            seconds += b + self.draft_cost
-            if ks[j] < limit:
-                heapq.heappush(heap, (-gain * accept[j][ks[j]], j))
-        return ks
-
-    def _first_draft_pays(self, req_ids: Sequence[str]) -> bool:
-        """Whether :meth:`_plan` gives anyone a draft: its first pick passes the threshold."""
-        if not req_ids:
-            return False
-        a, b = self.cost_model()
-        best = max(self.acceptance(r)[0] for r in req_ids)
-        return best > 0.0 and best > len(req_ids) * (b + self.draft_cost) / (a + b * len(req_ids))
 
     def observe(self, step: StepObservation) -> None:
-        self.steps.append((step.num_tokens, step.step_seconds))
-        if step.num_drafted:
-            per_token = step.draft_seconds / step.num_drafted
-            self.draft_cost = per_token if self.draft_cost == 0.0 else 0.9 * self.draft_cost + 0.1 * per_token
         self.engine.decay(0.99)  # recent behaviour counts more
         for rid, verified, accepted in step.verified:
             self.engine.add(verified, accepted)
             self.requests.setdefault(rid, _Acceptance(self.k)).add(verified, accepted)
 
-    def observe_rate(self, drafted: bool, tokens: int, seconds: float) -> None:
-        kept = self.rates[drafted]
-        kept[0] = 0.9 * kept[0] + tokens
-        kept[1] = 0.9 * kept[1] + seconds
+    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
+        kept = self.rates.setdefault((self._buckets[0], int(length)), [0.0, 0.0, 0.0])
+        kept[0] = self.decay * kept[0] + tokens
+        kept[1] = self.decay * kept[1] + seconds
+        kept[2] = self.decay * kept[2] + 1
 
     def forget(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:

@@ -1,5 +1,5 @@
-"""Speculation policies: the adaptive policy's choices on scripted costs and acceptances, and greedy
-outputs unchanged by whatever it chooses."""
+"""Speculation policies: the adaptive policy's choices against a simulated machine and scripted
+acceptances, and greedy outputs unchanged by whatever it chooses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from specloop import LLM, SamplingParams
 from specloop.kernel.config import EngineConfig
 from specloop.proposers.policy import AdaptivePolicy, FixedPolicy, StepObservation
 
-K = 4
+K = 3
 
 
 def policy(**kw) -> AdaptivePolicy:
@@ -19,113 +19,107 @@ def policy(**kw) -> AdaptivePolicy:
                                                            "policy": "adaptive"}), **kw)
 
 
-def feed(p: AdaptivePolicy, acceptance: dict[str, float], a: float, b: float, draft_cost: float,
-         steps: int = 40, seed: int = 0) -> None:
-    """Steps where every request verifies K drafts, each accepted with its probability until the
-    first rejection, and a step of T tokens costs a + b * T seconds."""
-    rng = random.Random(seed)
-    for n in range(steps):
+class Machine:
+    """Steps at each speculation length commit ``tokens[length]`` tokens on average (+-50%, random)
+    in ``seconds[length]`` (+-20%); a step whose length differs from the previous one's costs
+    ``switch`` times as much (a pipeline drained or a proposer catching up). Reports rates to the
+    policy as the runner's drafting stage does: a step amid steps of its own length."""
+
+    def __init__(self, p: AdaptivePolicy, seed: int = 0) -> None:
+        self.p, self.rng = p, random.Random(seed)
+        self.lengths: list[int] = []
+        self.tokens = self.seconds = 0.0
+
+    def run(self, steps: int, batch: int, tokens: dict[int, float], seconds: dict[int, float],
+            switch: float = 2.0) -> list[int]:
+        ids = [f"r{i}" for i in range(batch)]
+        chosen = []
+        last = None  # the previous step: (length, tokens, seconds)
+        for _ in range(steps):
+            n = self.p.drafting(ids)
+            if last is not None and len(self.lengths) >= 2 and self.lengths[-2] == last[0] == n:
+                self.p.observe_rate(n, last[1], last[2])
+            t = tokens[n] * self.rng.uniform(0.5, 1.5)
+            sec = seconds[n] * self.rng.uniform(0.8, 1.2) * (switch if self.lengths and self.lengths[-1] != n else 1)
+            self.lengths.append(n)
+            chosen.append(n)
+            self.tokens, self.seconds = self.tokens + t, self.seconds + sec
+            last = (n, t, sec)
+        return chosen
+
+
+# Tokens per step and seconds per step by speculation length: batch 1 (drafting pays most at K=3)
+# and batch 32 (compute-bound: every length with drafts is slower than none).
+SMALL = ({0: 1.0, 1: 1.6, 2: 2.1, 3: 2.5}, {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3, 3: 1.3e-3})
+LARGE = ({0: 32.0, 1: 51.0, 2: 67.0, 3: 80.0}, {0: 2.0e-3, 1: 4.0e-3, 2: 6.0e-3, 3: 8.0e-3})
+
+
+def best_rate(tokens, seconds) -> float:
+    return max(tokens[n] / seconds[n] for n in tokens)
+
+
+@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["drafting pays", "drafting loses"])
+def test_it_finds_the_fastest_length_and_keeps_within_a_few_percent_of_it(shape):
+    m = Machine(policy())
+    chosen = m.run(3000, 1 if shape is SMALL else 32, *shape)
+    best = max(shape[0], key=lambda n: shape[0][n] / shape[1][n])
+    assert chosen[-1000:].count(best) > 900
+    # Exploring every length first and probing the others since included.
+    assert m.tokens / m.seconds > 0.95 * best_rate(*shape)
+
+
+def test_until_it_has_measured_every_length_it_probes_each_in_turn():
+    chosen = Machine(policy(probe_len=4)).run(16, 1, *SMALL)
+    assert chosen == [K] * 4 + [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_each_batch_size_has_its_own_choice():
+    m = Machine(policy())
+    m.run(2000, 1, *SMALL)
+    m.run(2000, 32, *LARGE)
+    # Each kept its own measurements (the lengths overdue for a probe come first).
+    assert m.run(200, 1, *SMALL).count(3) > 150
+    assert m.run(200, 32, *LARGE).count(0) > 150
+
+
+def test_a_new_batch_size_starts_from_the_nearest_one_measured():
+    p = policy()
+    Machine(p).run(2000, 1, *SMALL)
+    assert [p.drafting(["a", "b"]) for _ in range(32)] == [3] * 32  # bucket 2 borrows bucket 1's rates
+
+
+def test_it_follows_the_machine_when_the_costs_change():
+    m = Machine(policy())
+    m.run(2000, 1, *SMALL)
+    # Steps with drafts became twice as dear (e.g. another tenant on the GPU).
+    dear = {n: s * (2.0 if n else 1.0) for n, s in SMALL[1].items()}
+    chosen = m.run(3000, 1, SMALL[0], dear)
+    assert chosen[-500:].count(0) > 450
+
+
+def test_requests_stop_where_their_acceptance_runs_out():
+    p = policy(explore_every=4)
+    rng = random.Random(0)
+    for _ in range(60):
         verified = []
-        for rid, prob in acceptance.items():
+        for rid, prob in {"good": 0.9, "bad": 0.05}.items():
             accepted = 0
             while accepted < K and rng.random() < prob:
                 accepted += 1
             verified.append((rid, K, accepted))
-        tokens = len(acceptance) * (K + 1) - (n % 3) * len(acceptance)  # vary T so b is identifiable
-        p.observe(StepObservation(tokens, a + b * tokens, draft_cost * K * len(acceptance), K * len(acceptance),
-                                  verified))
-
-
-def test_until_warm_it_asks_for_the_limit():
-    p = policy(warmup=8)
-    assert p.choose(["a", "b"], K) == [K, K] and p.choose(["a"], 2) == [2]
-
-
-def test_cheap_steps_and_high_acceptance_draft_fully():
-    p = policy()
-    feed(p, {"a": 0.9, "b": 0.85}, a=5e-3, b=2e-6, draft_cost=1e-5)
-    assert p.choose(["a", "b"], K) == [K, K]
-
-
-def test_low_acceptance_turns_speculation_off():
-    p = policy(explore_every=1000)
-    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)
-    assert p.choose(["a"], K) == [0]
-
-
-def test_each_request_gets_its_own_count():
-    p = policy(explore_every=1000)
-    feed(p, {"good": 0.9, "bad": 0.05}, a=5e-3, b=1e-4, draft_cost=1e-4)
-    good, bad = p.choose(["good", "bad"], K)
-    assert good >= 3 and bad == 0
-
-
-def test_it_backs_off_when_the_step_is_compute_bound():
-    # The same acceptance; tokens cost 50x more per token (a large, compute-bound batch).
-    cheap, dear = policy(explore_every=1000), policy(explore_every=1000)
-    rates = {f"r{i}": 0.6 for i in range(32)}
-    feed(cheap, rates, a=5e-3, b=1e-6, draft_cost=1e-6)
-    feed(dear, rates, a=5e-3, b=1e-3, draft_cost=1e-6)
-    assert sum(cheap.choose(list(rates), K)) > 2 * sum(dear.choose(list(rates), K))
-    assert sum(dear.choose(list(rates), K)) < len(rates)  # most requests stop speculating
-
-
-def test_a_request_turned_off_is_explored_again():
-    p = policy(explore_every=4)
-    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)
-    choices = [p.choose(["a"], K)[0] for _ in range(8)]
-    assert choices.count(0) >= 5 and choices.count(1) >= 1
+        p.observe(StepObservation(8, 1e-3, 1e-4, 2 * K, verified))
+    p.drafting(["good", "bad"])  # nothing measured: a probe at length K
+    counts = [p.choose(["good", "bad"], K) for _ in range(8)]
+    assert all(good == K for good, _ in counts)
+    assert [bad for _, bad in counts].count(0) == 6  # one draft every 4th choice, to look again
+    assert p.choose(["good"], 1) == [1]
 
 
 def test_fixed_policy():
     cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     p = FixedPolicy(cfg)
     assert p.choose(["a", "b"], 3) == [3, 3] and p.choose(["a"], 1) == [1]
-    assert all(p.drafting(["a"]) for _ in range(100))
-
-
-def _rated(with_drafts: float, without: float) -> AdaptivePolicy:
-    """Warm, drafting paying by the cost model, and these measured tokens per second."""
-    p = policy(explore_every=1000, probe_every=16, probe_len=4)
-    feed(p, {"a": 0.9, "b": 0.85}, a=5e-3, b=2e-6, draft_cost=1e-5)
-    for _ in range(10):
-        p.observe_rate(True, 100, 100 / with_drafts)
-        p.observe_rate(False, 100, 100 / without)
-    return p
-
-
-def test_it_drafts_nothing_while_steps_without_drafts_are_faster():
-    """Steps with drafts run synchronously; when steps without them (overlapped) commit more
-    tokens per second, the policy turns drafting off, probing it in short runs to notice a change."""
-    p = _rated(with_drafts=1000.0, without=1500.0)
-    assert not p.drafting_pays()
-    decisions = []
-    for _ in range(32):
-        on = p.drafting(["a", "b"])
-        decisions.append(on)
-        assert p.choose(["a", "b"], K) == ([K, K] if on else [0, 0])  # a probe drafts what the plan says
-    # Probes of steps with drafts: steps 1-3, 16-19 and 32 (phase < 4 of every 16).
-    assert [i + 1 for i, on in enumerate(decisions) if on] == [1, 2, 3, 16, 17, 18, 19, 32]
-
-
-def test_it_drafts_while_drafting_is_faster_and_probes_the_other_kind():
-    p = _rated(with_drafts=2000.0, without=1000.0)
-    assert p.drafting_pays()
-    decisions = [p.drafting(["a", "b"]) for _ in range(32)]
-    assert [i + 1 for i, on in enumerate(decisions) if not on] == [1, 2, 3, 16, 17, 18, 19, 32]
-    # The measured rates follow the machine: steps without drafts get faster, drafting turns off.
-    for _ in range(30):
-        p.observe_rate(False, 100, 100 / 4000.0)
-    assert not p.drafting_pays()
-
-
-def test_a_probe_drafts_even_what_the_plan_would_not():
-    p = policy(explore_every=1000, probe_every=16, probe_len=4)
-    feed(p, {"a": 0.05}, a=5e-3, b=2e-4, draft_cost=2e-4)  # low acceptance: the plan drafts nothing
-    p.observe_rate(True, 100, 1.0)
-    p.observe_rate(False, 100, 0.5)
-    decisions = [(p.drafting(["a"]), p.choose(["a"], K)[0]) for _ in range(17)]
-    assert decisions[0] == (True, 1) and decisions[4] == (False, 0) and decisions[15] == (True, 1)
+    assert all(p.drafting(["a"]) == 3 for _ in range(100))
 
 
 @pytest.mark.parametrize("policy_name", ["adaptive", "fixed"])
