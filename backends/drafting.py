@@ -14,6 +14,7 @@ which would run eagerly, into one a graph replays. Padded drafts count as drafts
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,9 @@ class StepRecord:
     drafts: bool  # a step with drafts: it verifies some, or the policy wants some after it
     started: float  # when it began sampling
     length: int = 0  # the policy's speculation length for it (steps of one length are compared)
-    tokens: int | None = None  # tokens it commits, once sampled
+    num_reqs: int = 0
+    tokens: int | None = None  # tokens it commits, once sampled (on a sampling thread: later)
+    reported: bool = False  # its rate went to the policy
 
     @property
     def overlaps(self) -> bool:
@@ -58,27 +61,32 @@ class DraftingStage:
         self.pad_drafts = False
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
-        self._last: tuple[StepRecord, StepRecord | None] | None = None  # the previous step, and the one before
+        self._recent: deque[StepRecord] = deque(maxlen=6)  # the last steps, for the policy's rates
 
     def begin_step(self, plan: SchedulerOutput, inline: bool) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
         ``drafting``; always for a proposer that can neither skip steps nor keep up, and for one
         that keeps up when the runner samples off the calling thread). Reports the previous
-        step's tokens per second to the policy when it sat between steps of its own length."""
+        steps' tokens per second to the policy (:meth:`_report_rates`)."""
+        num_reqs = len(plan.num_scheduled_tokens)
         length = int(self.policy.drafting(list(plan.num_scheduled_tokens)))
         wanted = length > 0
         drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
         skips = self.proposer.catches_up or (self.proposer.keeps_up and inline)
-        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length)
-        if self._last is not None:
-            previous, before = self._last
-            if (before is not None and before.length == previous.length == length and previous.tokens
-                    and record.started > previous.started):
-                self.policy.observe_rate(length, previous.tokens, record.started - previous.started)
-            self._last = (record, previous)
-        else:
-            self._last = (record, None)
+        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length, num_reqs)
+        self._recent.append(record)
+        self._report_rates()
         return record
+
+    def _report_rates(self) -> None:
+        """Each step whose tokens are known and that sat between two steps of its own length: its
+        tokens and the wall time to the next step's start, once."""
+        recent = self._recent
+        for before, step, after in zip(list(recent)[:-2], list(recent)[1:-1], list(recent)[2:]):
+            if (not step.reported and step.tokens and before.length == step.length == after.length
+                    and after.started > step.started):
+                step.reported = True
+                self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -46,10 +46,11 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, step: StepObservation) -> None: ...
 
-    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
-        """The step before the current one, when it and the steps on either side of it had the
-        same ``drafting`` value ``length``: the tokens it committed and the wall time from its
-        sampling to the next step's."""
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
+        """A step of ``num_reqs`` requests that ran, as the steps on either side of it did, at the
+        ``drafting`` value ``length``: the tokens it committed and the wall time from its sampling
+        to the next step's. (Reported once its tokens are known: under asynchronous scheduling that
+        may be a step or two later.)"""
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Finished or preempted requests."""
@@ -73,66 +74,40 @@ class FixedPolicy:
     def observe(self, step: StepObservation) -> None:
         pass
 
-    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
         pass
 
     def forget(self, req_ids: Sequence[str]) -> None:
         pass
 
 
-class _Acceptance:
-    """Accepted / tried counts per draft position (conditional: position i is tried only when every
-    draft before it was accepted)."""
-
-    __slots__ = ("accepted", "tried")
-
-    def __init__(self, k: int) -> None:
-        self.accepted = [0.0] * k
-        self.tried = [0.0] * k
-
-    def add(self, verified: int, accepted: int) -> None:
-        for i in range(min(verified, accepted + 1)):
-            self.tried[i] += 1
-            self.accepted[i] += i < accepted
-
-    def decay(self, factor: float) -> None:
-        self.accepted = [a * factor for a in self.accepted]
-        self.tried = [t * factor for t in self.tried]
-
-
 class AdaptivePolicy:
     """The speculation length with the most committed tokens per second, measured per batch size.
 
-    Lengths ``0..K`` are the arms. For each batch-size bucket (a power of two) the policy keeps, per
-    length, decayed sums of the tokens and wall seconds of steps run at that length amid steps of the
-    same length (:meth:`observe_rate`), and runs the length with the highest rate. Every other length
-    is probed in runs of ``probe_len`` steps, each as often as keeps its expected loss under
-    ``probe_cost`` of the time. A probe loses its steps' shortfall against the best rate plus about
-    one step of each length for its two switches (a pipeline drains, a proposer catches up); it
-    comes once that loss is ``probe_cost`` of the steps since the last, and not more often than every
-    ``min_interval`` steps. A length a bucket has not measured borrows the rate of
-    the nearest bucket that has (as a prior: it is probed on the same schedule); one nobody has
-    measured is probed first, ``K`` before 0 before the rest.
+    Lengths ``0..K`` are the arms; one length holds for every request of a step (the runner pads a
+    step's drafts to one count for its CUDA graphs anyway). For each batch-size bucket (a power of
+    two) the policy keeps, per length, decayed sums of the tokens, wall seconds and count of steps
+    run at that length amid steps of the same length (:meth:`observe_rate`), and runs the length
+    with the highest rate. Every other length is probed in runs of ``probe_len`` steps, each as
+    often as keeps its expected loss under ``probe_cost`` of the time. A probe loses its steps'
+    shortfall against the best rate plus about one step of each length for its two switches (a
+    pipeline drains, a proposer catches up); it comes once that loss is ``probe_cost`` of the steps
+    since the last, and not more often than every ``min_interval`` steps.
 
-    Within the step's length each request stops at the first draft position whose chance of being
-    reached and accepted (the product of its per-position acceptance, shrunk toward the engine-wide
-    figure with ``prior_weight`` pseudo-observations) is below ``min_gain``; a request stopped at 0
-    gets one draft every ``explore_every`` choices, so it can come back. (Where the runner pads drafts
-    to one count for a CUDA graph, the step's length is what runs.)
+    A bucket that has not measured a length borrows it from the nearest bucket that has, scaled by
+    a length both measured (rates grow with the batch; their ratios carry over); a bucket that has
+    measured nothing takes the nearest measured bucket's figures as they are. A length nobody has
+    measured is probed first, ``K`` before 0 before the rest.
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
-                 min_interval: int = 64, decay: float = 0.99, min_gain: float = 0.1, prior_weight: float = 4.0,
-                 explore_every: int = 16) -> None:
+                 min_interval: int = 64, decay: float = 0.99) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a rate is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
         self.probe_len, self.probe_cost, self.min_interval, self.decay = probe_len, probe_cost, min_interval, decay
-        self.min_gain, self.prior_weight, self.explore_every = min_gain, prior_weight, explore_every
-        self.engine = _Acceptance(self.k)
-        self.requests: dict[str, _Acceptance] = {}
-        self.num_choices = 0
+        self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
         self.num_steps = 0
         # (bucket, length) -> decayed [tokens, seconds, steps]; (bucket, length) -> step last probed.
         self.rates: dict[tuple[int, int], list[float]] = {}
@@ -140,7 +115,6 @@ class AdaptivePolicy:
         self.first_seen: dict[int, int] = {}
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
-        self._buckets = (0, 0)  # the previous step's bucket and this one's
 
     # --- measurements --------------------------------------------------------------------------------
 
@@ -150,30 +124,31 @@ class AdaptivePolicy:
         kept = self.rates.get((bucket, length))
         return (kept[0] / kept[1], kept[1] / kept[2]) if kept and kept[1] > 0 else None
 
-    def estimate(self, bucket: int, length: int) -> tuple[float, float] | None:
-        """The bucket's own :meth:`rate`, else the nearest bucket's (the smaller on a tie), else None."""
-        measured = [b for (b, n) in self.rates if n == length and self.rate(b, n) is not None]
-        if not measured:
-            return None
-        return self.rate(min(measured, key=lambda b: (abs(b - bucket), b)), length)
-
-    def acceptance(self, req_id: str) -> list[float]:
-        """Conditional acceptance probability of each draft position for this request."""
-        own = self.requests.get(req_id)
-        out = []
-        for i in range(self.k):
-            g_tried = self.engine.tried[i]
-            prior = self.engine.accepted[i] / g_tried if g_tried else 0.5
-            acc, tried = (own.accepted[i], own.tried[i]) if own is not None else (0.0, 0.0)
-            out.append((acc + self.prior_weight * prior) / (tried + self.prior_weight))
-        return out
+    def estimates(self, bucket: int) -> dict[int, tuple[float, float] | None]:
+        """Every length's :meth:`rate` in this bucket, borrowed where it has none (class docstring)."""
+        own = {n: self.rate(bucket, n) for n in self.lengths}
+        others = sorted({b for b, _ in self.rates if b != bucket}, key=lambda b: (abs(b - bucket), b))
+        if not any(own.values()):
+            for b in others:
+                theirs = {n: self.rate(b, n) for n in self.lengths}
+                if any(theirs.values()):
+                    return theirs
+            return own
+        for n in self.lengths:
+            for b in others if own[n] is None else ():
+                theirs = self.rate(b, n)
+                common = [m for m in self.lengths if own[m] is not None and self.rate(b, m) is not None]
+                if theirs is not None and common:
+                    mine, ref = own[common[0]], self.rate(b, common[0])
+                    own[n] = (theirs[0] * mine[0] / ref[0], theirs[1] * mine[1] / ref[1])
+                    break
+        return own
 
     # --- the policy ---------------------------------------------------------------------------------
 
     def drafting(self, req_ids: Sequence[str]) -> int:
         self.num_steps += 1
         bucket = max(len(req_ids), 1).bit_length()
-        self._buckets = (self._buckets[1], bucket)
         self.first_seen.setdefault(bucket, self.num_steps)
         if self.probe is not None and self.probe[0] == bucket and self.probe[2] > 0:
             self.probe = (bucket, self.probe[1], self.probe[2] - 1)
@@ -184,15 +159,14 @@ class AdaptivePolicy:
         return self.length
 
     def _next_length(self, bucket: int) -> int:
-        lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
-        estimates = {n: self.estimate(bucket, n) for n in lengths}
-        unknown = [n for n in lengths if estimates[n] is None]
+        estimates = self.estimates(bucket)
+        unknown = [n for n in self.lengths if estimates[n] is None]
         if unknown:
             return self._start_probe(bucket, unknown[0])
-        best = max(lengths, key=lambda n: (estimates[n][0], -n))
+        best = max(self.lengths, key=lambda n: (estimates[n][0], -n))
         best_rate, best_step = estimates[best]
         due = []
-        for n in lengths:
+        for n in self.lengths:
             if n == best:
                 continue
             rate, step = estimates[n]
@@ -213,32 +187,16 @@ class AdaptivePolicy:
         return length
 
     def choose(self, req_ids: Sequence[str], limit: int) -> list[int]:
-        self.num_choices += 1
-        limit = min(limit, self.length)
-        explore = self.num_choices % self.explore_every == 0
-        ks = []
-        for rid in req_ids:
-            reach, k = 1.0, 0
-            for p in self.acceptance(rid)[:limit]:
-                if reach * p < self.min_gain:
-                    break
-                reach *= p
-                k += 1
-            ks.append(max(k, min(1, limit)) if explore else k)
-        return ks
+        return [min(limit, self.length)] * len(req_ids)
 
     def observe(self, step: StepObservation) -> None:
-        self.engine.decay(0.99)  # recent behaviour counts more
-        for rid, verified, accepted in step.verified:
-            self.engine.add(verified, accepted)
-            self.requests.setdefault(rid, _Acceptance(self.k)).add(verified, accepted)
+        pass
 
-    def observe_rate(self, length: int, tokens: int, seconds: float) -> None:
-        kept = self.rates.setdefault((self._buckets[0], int(length)), [0.0, 0.0, 0.0])
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
+        kept = self.rates.setdefault((max(num_reqs, 1).bit_length(), int(length)), [0.0, 0.0, 0.0])
         kept[0] = self.decay * kept[0] + tokens
         kept[1] = self.decay * kept[1] + seconds
         kept[2] = self.decay * kept[2] + 1
 
     def forget(self, req_ids: Sequence[str]) -> None:
-        for rid in req_ids:
-            self.requests.pop(rid, None)
+        pass
