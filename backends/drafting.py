@@ -38,6 +38,7 @@ class StepRecord:
     started: float  # when it began sampling
     length: int = 0  # the policy's speculation length for it (steps of one length are compared)
     num_reqs: int = 0
+    admits: bool = False  # it starts requests (their prefill, and any idle wait before, is in it)
     tokens: int | None = None  # tokens it commits, once sampled (on a sampling thread: later)
     reported: bool = False  # its rate went to the policy
 
@@ -73,18 +74,20 @@ class DraftingStage:
         wanted = length > 0
         drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
         skips = self.proposer.catches_up or (self.proposer.keeps_up and inline)
-        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length, num_reqs)
+        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length, num_reqs,
+                            bool(plan.scheduled_new_reqs or plan.scheduled_resumed_reqs))
         self._recent.append(record)
         self._report_rates()
         return record
 
     def _report_rates(self) -> None:
         """Each step whose tokens are known and that sat between two steps of its own length: its
-        tokens and the wall time to the next step's start, once."""
+        tokens and the wall time to the next step's start, once; not when the next step starts
+        requests (its time would count their prefill, or the engine's idle wait for them)."""
         recent = self._recent
         for before, step, after in zip(list(recent)[:-2], list(recent)[1:-1], list(recent)[2:]):
             if (not step.reported and step.tokens and before.length == step.length == after.length
-                    and after.started > step.started):
+                    and not after.admits and after.started > step.started):
                 step.reported = True
                 self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started)
 

@@ -81,36 +81,77 @@ class FixedPolicy:
         pass
 
 
+class _Acceptance:
+    """Accepted / tried counts per draft position (conditional: position i is tried only when every
+    draft before it was accepted), decayed so that recent steps count most."""
+
+    __slots__ = ("accepted", "tried")
+
+    def __init__(self, k: int) -> None:
+        self.accepted = [0.0] * k
+        self.tried = [0.0] * k
+
+    def add(self, verified: int, accepted: int) -> None:
+        for i in range(min(verified, accepted + 1)):
+            self.tried[i] += 1
+            self.accepted[i] += i < accepted
+
+    def decay(self, factor: float) -> None:
+        self.accepted = [a * factor for a in self.accepted]
+        self.tried = [t * factor for t in self.tried]
+
+    def expected_tokens(self, length: int, prior: float = 0.5) -> float:
+        """Tokens a request commits per step at this length: 1 + the chance that each draft and
+        every one before it are accepted (``prior`` for a position never tried)."""
+        total, reach = 1.0, 1.0
+        for i in range(length):
+            reach *= (self.accepted[i] + prior) / (self.tried[i] + 1.0)
+            total += reach
+        return total
+
+
 class AdaptivePolicy:
-    """The speculation length with the most committed tokens per second, measured per batch size.
+    """The speculation length with the most committed tokens per second, per batch size.
 
-    Lengths ``0..K`` are the arms; one length holds for every request of a step (the runner pads a
-    step's drafts to one count for its CUDA graphs anyway). For each batch-size bucket (a power of
-    two) the policy keeps, per length, decayed sums of the tokens, wall seconds and count of steps
-    run at that length amid steps of the same length (:meth:`observe_rate`), and runs the length
-    with the highest rate. Every other length is probed in runs of ``probe_len`` steps, each as
-    often as keeps its expected loss under ``probe_cost`` of the time. A probe loses its steps'
-    shortfall against the best rate plus about one step of each length for its two switches (a
-    pipeline drains, a proposer catches up); it comes once that loss is ``probe_cost`` of the steps
-    since the last, and not more often than every ``min_interval`` steps.
+    One length holds for every request of a step (the runner pads a step's drafts to one count for
+    its CUDA graphs anyway). A length's rate is a request's expected tokens per step at that length
+    over the step's wall time at that length:
 
-    A bucket that has not measured a length borrows it from the nearest bucket that has, scaled by
-    a length both measured (rates grow with the batch; their ratios carry over); a bucket that has
-    measured nothing takes the nearest measured bucket's figures as they are. A length nobody has
-    measured is probed first, ``K`` before 0 before the rest.
+    * expected tokens come from the acceptance of each draft position (conditional on the earlier
+      ones), over all verified drafts, decayed by ``accept_decay`` per step: acceptance moves with
+      the text being written, and whichever length runs measures it (a longer length's extra
+      positions are measured when it runs);
+    * step time is measured per batch-size bucket (a power of two) and length, on steps that ran
+      amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
+      that overlaps the next, drafting included), decayed by ``decay`` per step measured. A bucket
+      that has not measured a length borrows it from the nearest bucket that has, scaled by a
+      length both measured.
+
+    The policy runs the length with the highest rate. A length whose step time nobody has measured
+    is probed first (``K`` before 0 before the rest), in a run of ``probe_len`` steps. Every other
+    length is probed again as often as keeps its expected loss under ``probe_cost`` of the time: a
+    probe loses its steps' shortfall against the best rate plus about one step of each length for
+    its two switches (a pipeline drains, a proposer catches up), so it comes once that loss is
+    ``probe_cost`` of the steps since the last, and not more often than every ``min_interval``
+    steps. The loss is reckoned with the rate raised by ``optimism / sqrt(steps measured)`` (capped
+    at the best): a length measured little, or only in another bucket, is probed again soon.
+    Probes of a length with drafts also refresh the acceptance while the policy drafts nothing.
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
-                 min_interval: int = 64, decay: float = 0.99) -> None:
+                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95,
+                 optimism: float = 1.0) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
-        if probe_len < 3:  # a rate is measured on a step amid two of its own length
+        if probe_len < 3:  # a step time is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
-        self.probe_len, self.probe_cost, self.min_interval, self.decay = probe_len, probe_cost, min_interval, decay
+        self.probe_len, self.probe_cost, self.min_interval = probe_len, probe_cost, min_interval
+        self.decay, self.accept_decay, self.optimism = decay, accept_decay, optimism
         self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
+        self.acceptance = _Acceptance(self.k)
         self.num_steps = 0
-        # (bucket, length) -> decayed [tokens, seconds, steps]; (bucket, length) -> step last probed.
-        self.rates: dict[tuple[int, int], list[float]] = {}
+        # (bucket, length) -> decayed [seconds, steps]; (bucket, length) -> step last probed.
+        self.times: dict[tuple[int, int], list[float]] = {}
         self.probed: dict[tuple[int, int], int] = {}
         self.first_seen: dict[int, int] = {}
         self.length = self.k  # this step's
@@ -118,31 +159,36 @@ class AdaptivePolicy:
 
     # --- measurements --------------------------------------------------------------------------------
 
-    def rate(self, bucket: int, length: int) -> tuple[float, float] | None:
-        """Measured ``(tokens per second, seconds per step)`` at this length in this bucket; None
-        before any."""
-        kept = self.rates.get((bucket, length))
-        return (kept[0] / kept[1], kept[1] / kept[2]) if kept and kept[1] > 0 else None
+    def step_time(self, bucket: int, length: int) -> tuple[float, float] | None:
+        """Measured ``(seconds per step, steps measured)`` at this length in this bucket (the count
+        decayed like the sum); None before any."""
+        kept = self.times.get((bucket, length))
+        return (kept[0] / kept[1], kept[1]) if kept and kept[1] > 0 else None
 
-    def estimates(self, bucket: int) -> dict[int, tuple[float, float] | None]:
-        """Every length's :meth:`rate` in this bucket, borrowed where it has none (class docstring)."""
-        own = {n: self.rate(bucket, n) for n in self.lengths}
-        others = sorted({b for b, _ in self.rates if b != bucket}, key=lambda b: (abs(b - bucket), b))
+    def step_times(self, bucket: int) -> dict[int, tuple[float, float] | None]:
+        """Every length's :meth:`step_time` in this bucket, borrowed where it has none (class
+        docstring; a borrowed figure counts 0 steps measured)."""
+        own = {n: self.step_time(bucket, n) for n in self.lengths}
+        others = sorted({b for b, _ in self.times if b != bucket}, key=lambda b: (abs(b - bucket), b))
         if not any(own.values()):
             for b in others:
-                theirs = {n: self.rate(b, n) for n in self.lengths}
+                theirs = {n: self.step_time(b, n) for n in self.lengths}
                 if any(theirs.values()):
-                    return theirs
+                    return {n: t and (t[0], 0.0) for n, t in theirs.items()}
             return own
         for n in self.lengths:
             for b in others if own[n] is None else ():
-                theirs = self.rate(b, n)
-                common = [m for m in self.lengths if own[m] is not None and self.rate(b, m) is not None]
+                theirs = self.step_time(b, n)
+                common = [m for m in self.lengths if own[m] is not None and self.step_time(b, m) is not None]
                 if theirs is not None and common:
-                    mine, ref = own[common[0]], self.rate(b, common[0])
-                    own[n] = (theirs[0] * mine[0] / ref[0], theirs[1] * mine[1] / ref[1])
+                    own[n] = (theirs[0] * own[common[0]][0] / self.step_time(b, common[0])[0], 0.0)
                     break
         return own
+
+    def rates(self, bucket: int) -> dict[int, tuple[float, float, float] | None]:
+        """Per length: ``(expected tokens per second per request, seconds per step, steps measured)``."""
+        return {n: t and (self.acceptance.expected_tokens(n) / t[0], t[0], t[1])
+                for n, t in self.step_times(bucket).items()}
 
     # --- the policy ---------------------------------------------------------------------------------
 
@@ -159,17 +205,18 @@ class AdaptivePolicy:
         return self.length
 
     def _next_length(self, bucket: int) -> int:
-        estimates = self.estimates(bucket)
-        unknown = [n for n in self.lengths if estimates[n] is None]
+        rates = self.rates(bucket)
+        unknown = [n for n in self.lengths if rates[n] is None]
         if unknown:
             return self._start_probe(bucket, unknown[0])
-        best = max(self.lengths, key=lambda n: (estimates[n][0], -n))
-        best_rate, best_step = estimates[best]
+        best = max(self.lengths, key=lambda n: (rates[n][0], -n))
+        best_rate, best_step, _ = rates[best]
         due = []
         for n in self.lengths:
             if n == best:
                 continue
-            rate, step = estimates[n]
+            rate, step, measured = rates[n]
+            rate = min(best_rate, rate * (1 + self.optimism / max(measured, 1.0) ** 0.5))
             # Seconds a probe loses against the best length: its steps' shortfall, and about one
             # step of each length for the two switches.
             loss = self.probe_len * step * (1 - rate / best_rate) + step + best_step
@@ -190,13 +237,15 @@ class AdaptivePolicy:
         return [min(limit, self.length)] * len(req_ids)
 
     def observe(self, step: StepObservation) -> None:
-        pass
+        if step.verified:
+            self.acceptance.decay(self.accept_decay)
+        for _, verified, accepted in step.verified:
+            self.acceptance.add(verified, accepted)
 
     def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
-        kept = self.rates.setdefault((max(num_reqs, 1).bit_length(), int(length)), [0.0, 0.0, 0.0])
-        kept[0] = self.decay * kept[0] + tokens
-        kept[1] = self.decay * kept[1] + seconds
-        kept[2] = self.decay * kept[2] + 1
+        kept = self.times.setdefault((max(num_reqs, 1).bit_length(), int(length)), [0.0, 0.0])
+        kept[0] = self.decay * kept[0] + seconds
+        kept[1] = self.decay * kept[1] + 1
 
     def forget(self, req_ids: Sequence[str]) -> None:
         pass

@@ -20,18 +20,18 @@ def policy(**kw) -> AdaptivePolicy:
 
 
 class Machine:
-    """Steps at each speculation length commit ``tokens[length]`` tokens on average (+-50%, random)
-    in ``seconds[length]`` (+-20%); a step whose length differs from the previous one's costs
-    ``switch`` times as much (a pipeline drained or a proposer catching up). Reports rates to the
-    policy as the runner's drafting stage does: a step amid steps of its own length."""
+    """Each draft is accepted with probability ``alpha`` (until the first rejection); a step costs
+    ``seconds[length]`` (+-20%, random), and a step whose length differs from the previous one's
+    costs ``switch`` times as much (a pipeline drained or a proposer catching up). Reports to the
+    policy as the runner's drafting stage does: the verified drafts of every step, and the time of
+    a step amid steps of its own length."""
 
     def __init__(self, p: AdaptivePolicy, seed: int = 0) -> None:
         self.p, self.rng = p, random.Random(seed)
         self.lengths: list[int] = []
         self.tokens = self.seconds = 0.0
 
-    def run(self, steps: int, batch: int, tokens: dict[int, float], seconds: dict[int, float],
-            switch: float = 2.0) -> list[int]:
+    def run(self, steps: int, batch: int, alpha: float, seconds: dict[int, float], switch: float = 2.0) -> list[int]:
         ids = [f"r{i}" for i in range(batch)]
         chosen = []
         last = None  # the previous step: (length, tokens, seconds)
@@ -39,77 +39,93 @@ class Machine:
             n = self.p.drafting(ids)
             if last is not None and len(self.lengths) >= 2 and self.lengths[-2] == last[0] == n:
                 self.p.observe_rate(n, batch, last[1], last[2])
-            t = tokens[n] * self.rng.uniform(0.5, 1.5)
+            drafts = self.lengths[-1] if self.lengths else 0  # this step verifies the previous one's
+            verified = []
+            for rid in ids:
+                accepted = 0
+                while accepted < drafts and self.rng.random() < alpha:
+                    accepted += 1
+                verified.append((rid, drafts, accepted))
+            tokens = sum(1 + a for _, _, a in verified)
+            self.p.observe(StepObservation(batch * (1 + drafts), 0.0, 0.0, n * batch, verified if drafts else []))
             sec = seconds[n] * self.rng.uniform(0.8, 1.2) * (switch if self.lengths and self.lengths[-1] != n else 1)
             self.lengths.append(n)
             chosen.append(n)
-            self.tokens, self.seconds = self.tokens + t, self.seconds + sec
-            last = (n, t, sec)
+            self.tokens, self.seconds = self.tokens + tokens, self.seconds + sec
+            last = (n, tokens, sec)
         return chosen
 
 
-# Tokens per step and seconds per step by speculation length: batch 1 (drafting pays most at K=3)
-# and batch 32 (compute-bound: every length with drafts is slower than none).
-SMALL = ({0: 1.0, 1: 1.6, 2: 2.1, 3: 2.5}, {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3, 3: 1.3e-3})
-LARGE = ({0: 32.0, 1: 51.0, 2: 67.0, 3: 80.0}, {0: 2.0e-3, 1: 4.0e-3, 2: 6.0e-3, 3: 8.0e-3})
+def expected_rate(alpha: float, seconds: dict[int, float], length: int) -> float:
+    return sum(alpha ** i for i in range(length + 1)) / seconds[length]
 
 
-def best_rate(tokens, seconds) -> float:
-    return max(tokens[n] / seconds[n] for n in tokens)
+# Seconds per step by speculation length: batch 1, where drafting pays most at K = 3 for acceptance
+# 0.7, and batch 32, compute-bound, where every length with drafts is slower than none.
+SMALL = {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3, 3: 1.3e-3}
+LARGE = {0: 2.0e-3, 1: 4.0e-3, 2: 6.0e-3, 3: 8.0e-3}
 
 
-@pytest.mark.parametrize("shape", [SMALL, LARGE], ids=["drafting pays", "drafting loses"])
-def test_it_finds_the_fastest_length_and_keeps_within_a_few_percent_of_it(shape):
+@pytest.mark.parametrize("batch, seconds, best", [(1, SMALL, 3), (32, LARGE, 0)], ids=["pays", "loses"])
+def test_it_finds_the_fastest_length_and_keeps_within_a_few_percent_of_it(batch, seconds, best):
     m = Machine(policy())
-    chosen = m.run(3000, 1 if shape is SMALL else 32, *shape)
-    best = max(shape[0], key=lambda n: shape[0][n] / shape[1][n])
+    chosen = m.run(3000, batch, 0.7, seconds)
+    assert max(range(K + 1), key=lambda n: expected_rate(0.7, seconds, n)) == best
     assert chosen[-1000:].count(best) > 900
     # Exploring every length first and probing the others since included.
-    assert m.tokens / m.seconds > 0.95 * best_rate(*shape)
+    assert m.tokens / m.seconds > 0.95 * batch * expected_rate(0.7, seconds, best)
 
 
 def test_until_it_has_measured_every_length_it_probes_each_in_turn():
-    chosen = Machine(policy(probe_len=4)).run(16, 1, *SMALL)
+    chosen = Machine(policy(probe_len=4)).run(16, 1, 0.7, SMALL)
     assert chosen == [K] * 4 + [0] * 4 + [1] * 4 + [2] * 4
 
 
 def test_each_batch_size_has_its_own_choice():
     m = Machine(policy())
-    m.run(2000, 1, *SMALL)
-    m.run(2000, 32, *LARGE)
+    m.run(2000, 1, 0.7, SMALL)
+    m.run(2000, 32, 0.7, LARGE)
     # Each kept its own measurements (the lengths overdue for a probe come first).
-    assert m.run(200, 1, *SMALL).count(3) > 150
-    assert m.run(200, 32, *LARGE).count(0) > 150
+    assert m.run(200, 1, 0.7, SMALL).count(3) > 150
+    assert m.run(200, 32, 0.7, LARGE).count(0) > 150
 
 
 def test_a_new_batch_size_starts_from_the_nearest_one_measured():
     p = policy()
-    Machine(p).run(2000, 1, *SMALL)
-    assert [p.drafting(["a", "b"]) for _ in range(32)] == [3] * 32  # bucket 2 borrows bucket 1's rates
+    Machine(p).run(2000, 1, 0.7, SMALL)
+    assert [p.drafting(["a", "b"]) for _ in range(32)] == [3] * 32  # bucket 2 borrows bucket 1's times
+
+
+def test_it_follows_the_text_when_acceptance_falls_and_comes_back():
+    m = Machine(policy())
+    m.run(1000, 1, 0.7, SMALL)
+    assert m.run(300, 1, 0.1, SMALL)[-200:].count(0) > 180  # drafts stopped paying within a few steps
+    assert m.run(3000, 1, 0.7, SMALL)[-1000:].count(3) > 900  # a probe saw them pay again
 
 
 def test_it_follows_the_machine_when_the_costs_change():
     m = Machine(policy())
-    m.run(2000, 1, *SMALL)
-    # Steps with drafts became twice as dear (e.g. another tenant on the GPU).
-    dear = {n: s * (2.0 if n else 1.0) for n, s in SMALL[1].items()}
-    chosen = m.run(3000, 1, SMALL[0], dear)
+    m.run(2000, 1, 0.7, SMALL)
+    # Steps with drafts became 2.5 times as dear (e.g. another tenant on the GPU).
+    dear = {n: s * (2.5 if n else 1.0) for n, s in SMALL.items()}
+    chosen = m.run(3000, 1, 0.7, dear)
     assert chosen[-500:].count(0) > 450
 
 
 def test_a_length_measured_elsewhere_is_scaled_by_one_measured_in_both():
     p = policy()
     for _ in range(20):
-        p.observe_rate(0, 1, 1, 1.0e-3)  # batch 1: 1,000 tok/s without drafts, 2,000 with 3
-        p.observe_rate(3, 1, 2, 1.0e-3)
-        p.observe_rate(0, 32, 32, 2.0e-3)  # batch 32: 16,000 tok/s without drafts; 3 not measured
-    rate, step = p.estimates(6)[3]
-    assert rate == pytest.approx(32_000) and step == pytest.approx(2.0e-3)
+        p.observe_rate(0, 1, 1, 1.0e-3)  # batch 1: 1 ms a step without drafts, 1.5 ms with 3
+        p.observe_rate(3, 1, 2, 1.5e-3)
+        p.observe_rate(0, 32, 32, 2.0e-3)  # batch 32: 2 ms without drafts; 3 not measured
+    assert p.step_times(6)[3] == (pytest.approx(3.0e-3), 0.0)
+    assert p.step_times(6)[0] == (pytest.approx(2.0e-3), pytest.approx(sum(0.98 ** i for i in range(20))))
 
 
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
-    (a sampling thread); its rate is reported then, with the bucket of its own request count."""
+    (a sampling thread); its rate is reported then, with its own request count, unless the step
+    after it admitted a request."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
@@ -127,16 +143,18 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     policy = Recorder()
     stage = DraftingStage(SimpleNamespace(catches_up=True, keeps_up=False), policy,
                           EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
-    plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={})
-             for n in (4, 4, 5, 5, 5, 5, 5, 5)]
+    plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={},
+                             scheduled_new_reqs=["r4"] if i == 3 else [], scheduled_resumed_reqs=[])
+             for i, n in enumerate((4, 4, 4, 5, 5, 5, 5, 5))]
     records = []
     for n, plan in enumerate(plans):
         records.append(stage.begin_step(plan, inline=False))
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
-    # Steps 1 and 2 sat amid steps of length 0 (each reported two steps after it began, once its
-    # tokens came); step 3 is the last of its length, 4 the first of the next; 5 sat amid length 2.
-    assert policy.rates == [(0, 4, 11), (0, 5, 12), (2, 5, 15)]
+    # Step 1 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
+    # step 2 did too, but the next step admitted a request; step 3 is the last of its length,
+    # 4 the first of the next; 5 sat amid length 2.
+    assert policy.rates == [(0, 4, 11), (2, 5, 15)]
 
 
 def test_fixed_policy():
