@@ -32,7 +32,9 @@ With ``--alpha A`` every method runs acceptance-controlled (``proposers/controll
 real drafting cost, but its drafts are replaced by the target's known greedy continuation (from the
 run without speculation), each position right with probability A, so speedup can be read against
 acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
-speculation policy choose each request's draft count per step (K is then its maximum). The two
+speculation policy choose the speculation length per step (K is then its maximum).
+``--batch-invariant`` runs both engines in batch-invariant mode: ``identical`` should then read yes
+in bf16, and the no-draft time against a run without the flag is the mode's cost. The two
 engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU.
 
     python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
@@ -130,7 +132,8 @@ class Engine:
         self.cuda = args.device.startswith("cuda")
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
                        max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=batch_size,
-                       gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=plugin_options or {})
+                       gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=plugin_options or {},
+                       batch_invariant=args.batch_invariant)
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         requests = [{"prompt_token_ids": p} for p in prompts]
         self.rounds = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
@@ -235,6 +238,8 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=None,
                         help="acceptance-controlled: each draft position right with this probability")
     parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

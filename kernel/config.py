@@ -7,7 +7,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-
 @dataclass(slots=True)
 class SpeculativeConfig:
     """``speculative_config`` as vLLM spells it. Set by the user; read by the runner's proposer."""
@@ -92,6 +91,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     enforce_eager: bool = False
+    batch_invariant: bool = False  # a token's logits independent of its step's batch (GPU runner)
     # Ranks that split each layer's weights (one process each; spawned, or started by torchrun).
     tensor_parallel_size: int = 1
     # Engine replicas behind one endpoint (the frontend's router; each replica tensor_parallel_size ranks).
@@ -114,8 +114,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        blocked = self.disable_plugins
-        self.disable_plugins = tuple(p for p in blocked.split(",") if p) if isinstance(blocked, str) else tuple(blocked)
+        off = self.disable_plugins
+        self.disable_plugins = tuple(p for p in off.split(",") if p) if isinstance(off, str) else tuple(off)
 
     @property
     def num_lookahead_tokens(self) -> int:

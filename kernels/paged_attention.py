@@ -189,6 +189,7 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     decode_config: tuple[int, int, int] | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Attention for a packed ragged batch.
 
@@ -203,6 +204,9 @@ def paged_attention(
     :param num_splits: KV splits per q-block (a power of two); 1 writes the output directly.
     :param decode_config: ``(keys per tile, warps, pipeline stages)`` for decode batches
         (``max_query_len == 1``), e.g. chosen by timing on the device; default ``(64, 4, 2)``.
+    :param invariant: batch-invariant: one tile shape for every batch (a program per new token,
+        ``(64, 4, 2)``, ``num_splits`` 1), so a token's output is the same sum in the same order
+        whether it decodes alone, verifies drafts or prefills among others.
     :returns: ``out``, ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -231,11 +235,13 @@ def paged_attention(
     # Decode batches (one new token each) map programs to sequences directly. A wide GQA group can
     # make a multi-token tile one token tall too, but that still needs the search by q-block.
     decode = max_query_len == 1
-    block_q = 1 if decode else max(1, rows // group_pad)
-    rows = max(rows, block_q * group_pad)
+    block_q = 1 if decode or invariant else max(1, rows // group_pad)
+    rows = max(16, group_pad) if invariant else max(rows, block_q * group_pad)
     block_n, num_warps, num_stages = 64, 8 if rows >= 128 else 4, 2
-    if decode and decode_config is not None:
+    if decode and decode_config is not None and not invariant:
         block_n, num_warps, num_stages = decode_config
+    if invariant and num_splits != 1:
+        raise ValueError(f"invariant attention runs one split, got num_splits={num_splits}")
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,

@@ -122,6 +122,9 @@ class TorchAttentionBackend:
     kv_layout = PAGED_KV_LAYOUT
 
     def __init__(self, config: Any = None) -> None:
+        if getattr(config, "batch_invariant", False):
+            raise ValueError("batch_invariant=True needs the GPU model runner and the 'triton' attention backend "
+                             "(model_runner='gpu'); the torch reference attention is not batch-invariant")
         self.config = config
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -185,10 +185,15 @@ class ColumnParallelLinear(nn.Linear):
     """``x W^T + b`` with the output features split: this rank holds, for each fused part (q, k, v,
     or gate, up), the rows its :class:`Shard` names, parts one after the other. No communication."""
 
+    matmul = staticmethod(F.linear)  # F.linear's signature; batch-invariant mode swaps it per module
+
     def __init__(self, in_features: int, parts: Sequence[Shard], bias: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__(in_features, sum(p.size for p in parts), bias=bias)
         self.tp = tp
         self.parts = tuple(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
 
     def load(self, name: str, source: CheckpointSource, part: int | None) -> None:
         """Copy this rank's rows of fused part ``part`` of the checkpoint tensor."""
@@ -205,6 +210,8 @@ class RowParallelLinear(nn.Linear):
     output of a column-parallel layer) by its columns of ``W``; the partial sums are all-reduced and
     the bias is added once, after the sum."""
 
+    matmul = staticmethod(F.linear)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel = SINGLE) -> None:
         shard = even_shard(in_features, tp)
         super().__init__(shard.size, out_features, bias=bias)
@@ -213,8 +220,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)  # nn.Linear's forward
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.weight, self.bias)  # nn.Linear's forward
+        y = self.tp.all_reduce(self.matmul(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load(self, name: str, source: CheckpointSource, part: int | None) -> None:
@@ -251,6 +258,8 @@ class ParallelLMHead(nn.Linear):
     gets the whole logits (all-gathered), so anything downstream (sampling, a proposer drafting
     with the target's head) runs unchanged on every rank."""
 
+    matmul = staticmethod(F.linear)
+
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel = SINGLE) -> None:
         shard, rows = vocab_shard(vocab_size, tp)
         super().__init__(hidden_size, rows, bias=False)
@@ -260,8 +269,8 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(hidden, self.weight)  # nn.Linear's forward
-        return self.tp.all_gather(F.linear(hidden, self.weight))[..., :self.vocab_size]
+            return self.matmul(hidden, self.weight)  # nn.Linear's forward
+        return self.tp.all_gather(self.matmul(hidden, self.weight))[..., :self.vocab_size]
 
     def load(self, name: str, source: CheckpointSource, part: int | None) -> None:
         _load_vocab_rows(self.weight, self.shard, source)

@@ -210,6 +210,23 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
         assert rel_err(out, want) < TOL[dtype] / 10, "silu_and_mul differs"
 
 
+def check_matmul(device: str, dtype: torch.dtype) -> None:
+    """The batch-invariant matmul against ``F.linear``, and each row bit-identical whatever shares
+    its launch (1, 5 or 70 rows, at any offset among them)."""
+    from specloop.kernels.matmul import invariant_linear
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 100, generator=gen).to(device=device, dtype=dtype)
+    w = torch.randn(90, 100, generator=gen).to(device=device, dtype=dtype) / 10
+    b = torch.randn(90, generator=gen).to(device=device, dtype=dtype)
+    full = invariant_linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(full, want) < TOL[dtype], "invariant_linear differs from F.linear"
+    for rows in (slice(3, 4), slice(0, 5), slice(66, 70)):
+        assert torch.equal(invariant_linear(x[rows], w, b), full[rows]), f"rows {rows} depend on the batch"
+    assert torch.equal(invariant_linear(x[7].view(1, 1, 100), w)[0, 0], invariant_linear(x, w)[7])
+
+
 def check_token_bitmask(device: str, dtype: torch.dtype) -> None:
     """The grammar-mask kernel against the torch reference: masked rows only, words past the
     mask's end forbidden, several blocks per row."""
@@ -275,6 +292,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.activation as activation
     import specloop.kernels.fused_moe as moe
     import specloop.kernels.kv_write as kv_write_mod
+    import specloop.kernels.matmul as matmul
     import specloop.kernels.mla_attention as mla
     import specloop.kernels.mla_rope_cache as mla_rope
     import specloop.kernels.moe_route as route
@@ -299,7 +317,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, route)
+               moe, route, matmul)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -313,6 +331,10 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                           num_splits=splits)
             from specloop.backends.gpu.triton_attention import TritonAttentionBackend
 
+            for max_q in (1, 300):  # batch-invariant mode
+                attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, invariant=True)
+            for rows in (1, 300):
+                matmul.invariant_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(4096, 1024, dtype=dtype))
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           decode_config=config)
@@ -401,6 +423,7 @@ ALL_CHECKS = {
     "rotary": check_rotary,
     "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
+    "matmul": check_matmul,
     **mla_moe_checks.CHECKS,
     "token_bitmask": check_token_bitmask,
 }

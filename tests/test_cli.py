@@ -120,6 +120,7 @@ def test_a_broken_model_directory_is_one_line_naming_the_culprit(tmp_path, capsy
     (["--model", "DEFAULT/config.json"], "is a file"),
     (["--device", "cuda:99"], "cuda:99"),
     (["--device", "nonsense"], "not a device name"),
+    (["--batch-invariant", "--device", "cpu"], "batch_invariant=True needs the GPU model runner"),
 ])
 def test_a_bad_model_path_or_device_is_one_line(capsys, args, says):
     from specloop.frontend.model_path import default_model_dir

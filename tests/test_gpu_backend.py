@@ -7,6 +7,7 @@ without CUDA."""
 
 from __future__ import annotations
 
+import batch_invariance_checks as bic
 import kernel_checks as kc
 import pytest
 import runner_checks as rc
@@ -83,6 +84,12 @@ def test_async_scheduling_matches_synchronous_torch_runner() -> None:
 
 def test_drafts_in_runs_with_async_scheduling_match_synchronous_torch_runner() -> None:
     rc.check_spec_async_matches_sync("cuda", "float32")
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_batch_invariant_mode_is_bit_identical_in_bf16(variant: str) -> None:
+    """bf16 with CUDA graphs: tokens and logprobs alone, batched and verifying drafts, bit for bit."""
+    bic.check_batch_invariance("cuda", "bfloat16", variant)
 
 
 def test_structured_outputs_with_async_scheduling_match_synchronous_torch_runner() -> None:

@@ -34,7 +34,7 @@ def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str 
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route",
+                                   "silu_and_mul", "matmul", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route",
                                    "token_bitmask"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")
@@ -56,3 +56,10 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # asynchronous scheduling; EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers)
     # drafting what their eager paths draft. CUDA graphs need a GPU (test_gpu_backend.py).
     _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
+
+
+def test_batch_invariant_mode_under_interpreter() -> None:
+    # batch_invariant=True on the gpu runner: a request's greedy tokens and logprobs bit-identical
+    # alone, among others and verifying drafts (the same run without the mode differs in the last
+    # bits of its logprobs here). On CUDA in bf16: test_gpu_backend.py.
+    _run("qwen3,llama", "float16", script=CHECKS.with_name("batch_invariance_checks.py"), expect="ok batch_invariance")

@@ -27,6 +27,7 @@ from ..sampling_stage import SamplingStage
 from .fast_sampling import FastSamplingStage
 from .graphs import GraphExecutor
 from .persistent_batch import PersistentBatch
+from .batch_invariant import make_batch_invariant
 from .triton_attention import TritonAttentionBackend
 
 logger = logging.getLogger("specloop")
@@ -46,6 +47,8 @@ class GpuPlatform:
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
         c = runner.config
+        if c.batch_invariant:
+            logger.info("batch-invariant kernels in %d linear layers", make_batch_invariant(runner))
         k = c.num_lookahead_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         max_tokens = max(c.max_num_batched_tokens or 8192, c.max_num_seqs * (k + 1))
@@ -62,8 +65,9 @@ class GpuPlatform:
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
-        dense = runner.model_config.mla is None  # the latent (MLA) kernel keeps its fixed tile
-        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and dense:
+        # The latent (MLA) kernel keeps its fixed tile, and so does batch-invariant attention.
+        tunable = runner.model_config.mla is None and not getattr(backend, "invariant", False)
+        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and tunable:
             max_len = (c.max_model_len or 2048) + c.num_lookahead_tokens + 1
             backend.tune_decode(runner.kv_caches[0], runner.model_config.num_heads, c.max_num_seqs,
                                 min(max_len, 1024))

@@ -43,6 +43,8 @@ class TritonAttentionBackend:
         self.config = config
         self.num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                         if torch.cuda.is_available() else 132)
+        # batch_invariant: one tile and one split for every batch (kernels.paged_attention)
+        self.invariant = bool(getattr(config, "batch_invariant", False))
         self.decode_config: tuple[int, int, int] | None = None
         self.decode_tuning: dict[str, float] = {}  # config -> median microseconds, from tune_decode
 
@@ -51,11 +53,15 @@ class TritonAttentionBackend:
 
     def decode_splits(self, model_config: ModelConfig, num_seqs: int, max_seq_len: int) -> int:
         """Flash-decoding splits for ``num_seqs`` sequences of up to ``max_seq_len`` tokens of this model."""
+        if self.invariant:
+            return 1
         if model_config.mla is not None:
             return choose_latent_splits(num_seqs, model_config.num_heads, max_seq_len, self.num_sms)
         return choose_num_splits(num_seqs, model_config.num_kv_heads, max_seq_len, self.num_sms)
 
     def num_splits(self, meta: AttentionMetadata, num_kv_heads: int) -> int:
+        if self.invariant:
+            return 1
         if isinstance(meta, GpuAttentionMetadata) and meta.num_splits:
             return meta.num_splits
         return choose_num_splits(meta.num_reqs, num_kv_heads, meta.max_seq_len, self.num_sms)
@@ -69,7 +75,8 @@ class TritonAttentionBackend:
         """Attention over a cache that already holds this step's K/V (written by a fused kernel)."""
         return paged_attention(q, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                scale=scale, max_query_len=meta.max_query_len,
-                               num_splits=self.num_splits(meta, kv_cache.shape[3]), decode_config=self.decode_config)
+                               num_splits=self.num_splits(meta, kv_cache.shape[3]), decode_config=self.decode_config,
+                               invariant=self.invariant)
 
     def latent_cache_shape(self, num_blocks: int, block_size: int, latent_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, latent_dim)
