@@ -125,10 +125,11 @@ class AdaptivePolicy:
       amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
       that overlaps the next, drafting included), decayed by ``decay`` per step measured. A bucket
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
-      length both measured.
+      length both measured; a length between two it has measured (0 and ``K``) is interpolated.
 
     The policy runs the length with the highest rate. A length whose step time nobody has measured
-    is probed first (``K`` before 0 before the rest), in a run of ``probe_len`` steps. Every other
+    is probed first (``K``, then 0; the lengths between are interpolated), in runs of ``probe_len``
+    steps. Every other
     length is probed again as often as keeps its expected loss under ``probe_cost`` of the time: a
     probe loses its steps' shortfall against the best rate plus about one step of each length for
     its two switches (a pipeline drains, a proposer catches up), so it comes once that loss is
@@ -183,6 +184,10 @@ class AdaptivePolicy:
                 if theirs is not None and common:
                     own[n] = (theirs[0] * own[common[0]][0] / self.step_time(b, common[0])[0], 0.0)
                     break
+        if own[0] is not None and own[self.k] is not None:  # in between: linear in the length
+            for n in range(1, self.k):
+                if own[n] is None:
+                    own[n] = (own[0][0] + (own[self.k][0] - own[0][0]) * n / self.k, 0.0)
         return own
 
     def rates(self, bucket: int) -> dict[int, tuple[float, float, float] | None]:
