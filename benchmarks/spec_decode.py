@@ -89,8 +89,9 @@ def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
 
 
 def num_prompts(args: argparse.Namespace, batch_size: int) -> int:
-    """Whole rounds of ``batch_size`` covering at least ``--min-prompts``."""
-    return batch_size * -(-args.min_prompts // batch_size)
+    """Whole rounds of ``batch_size`` covering at least ``--min-prompts``, and at least
+    ``--min-rounds`` of them (a large batch is otherwise one short round)."""
+    return batch_size * max(-(-args.min_prompts // batch_size), args.min_rounds)
 
 
 def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -227,6 +228,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per batch size at least; smaller batches run several rounds")
+    parser.add_argument("--min-rounds", type=int, default=1,
+                        help="at least this many rounds of each batch size (e.g. 3: the adaptive policy "
+                             "measures before it settles, and one round of batch 128 is ~130 steps)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed runs per configuration, alternating with no speculation; the fastest counts "
                              "(0: one run each, not alternated)")
