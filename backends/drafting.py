@@ -81,15 +81,17 @@ class DraftingStage:
         return record
 
     def _report_rates(self) -> None:
-        """Each step whose tokens are known and that sat between two steps of its own length: its
-        tokens and the wall time to the next step's start, once; not when the next step starts
-        requests (its time would count their prefill, or the engine's idle wait for them)."""
+        """Each step whose tokens are known and that the next step continued at its length: its
+        tokens and the wall time to the next step's start, once, marked ``first`` when the step
+        before it ran at another length; not when the next step starts requests (its time would
+        count their prefill, or the engine's idle wait for them)."""
         recent = self._recent
         for before, step, after in zip(list(recent)[:-2], list(recent)[1:-1], list(recent)[2:]):
-            if (not step.reported and step.tokens and before.length == step.length == after.length
+            if (not step.reported and step.tokens and step.length == after.length
                     and not after.admits and after.started > step.started):
                 step.reported = True
-                self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started)
+                self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,
+                                         first=before.length != step.length)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -46,11 +46,13 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, step: StepObservation) -> None: ...
 
-    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
         """A step of ``num_reqs`` requests that ran, as the steps on either side of it did, at the
         ``drafting`` value ``length``: the tokens it committed and the wall time from its sampling
         to the next step's. (Reported once its tokens are known: under asynchronous scheduling that
-        may be a step or two later.)"""
+        may be a step or two later.) With ``first``, the step was the first of a run at ``length``
+        after a step of another length (its time includes the switch; its tokens are the previous
+        length's)."""
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Finished or preempted requests."""
@@ -74,7 +76,7 @@ class FixedPolicy:
     def observe(self, step: StepObservation) -> None:
         pass
 
-    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
         pass
 
     def forget(self, req_ids: Sequence[str]) -> None:
@@ -129,13 +131,14 @@ class AdaptivePolicy:
 
     The policy runs the length with the highest rate. A length whose step time nobody has measured
     is probed first (``K``, then 0; the lengths between are interpolated), in runs of ``probe_len``
-    steps. Every other
-    length is probed again as often as keeps its expected loss under ``probe_cost`` of the time: a
-    probe loses its steps' shortfall against the best rate plus about one step of each length for
-    its two switches (a pipeline drains, a proposer catches up), so it comes once that loss is
-    ``probe_cost`` of the steps since the last, and not more often than every ``min_interval``
-    steps. The loss is reckoned with the rate raised by ``optimism / sqrt(steps measured)`` (capped
-    at the best): a length measured little, or only in another bucket, is probed again soon.
+    steps. Every other length is probed again as often as keeps its expected loss under
+    ``probe_cost`` of the time: a probe loses its steps' shortfall against the best rate plus what
+    its two switches cost (a pipeline drains, a proposer catches up on the tokens it skipped: the
+    measured excess of the first step of a run of each length over its steady step, one step until
+    measured), so it comes once that loss is ``probe_cost`` of the steps since the last, and not
+    more often than every ``min_interval`` steps. The loss is reckoned with the rate raised by
+    ``optimism / sqrt(steps measured)`` (capped at the best): a length measured little, or only in
+    another bucket, is probed again soon.
     Probes of a length with drafts also refresh the acceptance while the policy drafts nothing.
     """
 
@@ -151,8 +154,9 @@ class AdaptivePolicy:
         self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
         self.acceptance = _Acceptance(self.k)
         self.num_steps = 0
-        # (bucket, length) -> decayed [seconds, steps]; (bucket, length) -> step last probed.
+        # (bucket, length) -> decayed [seconds, steps] of steady steps, and of first steps of a run.
         self.times: dict[tuple[int, int], list[float]] = {}
+        self.entries: dict[tuple[int, int], list[float]] = {}
         self.probed: dict[tuple[int, int], int] = {}
         self.first_seen: dict[int, int] = {}
         self.length = self.k  # this step's
@@ -222,9 +226,9 @@ class AdaptivePolicy:
                 continue
             rate, step, measured = rates[n]
             rate = min(best_rate, rate * (1 + self.optimism / max(measured, 1.0) ** 0.5))
-            # Seconds a probe loses against the best length: its steps' shortfall, and about one
-            # step of each length for the two switches.
-            loss = self.probe_len * step * (1 - rate / best_rate) + step + best_step
+            # Seconds a probe loses against the best length: its steps' shortfall, and its switches.
+            loss = (self.probe_len * step * (1 - rate / best_rate) + self.switch_cost(bucket, n, step)
+                    + self.switch_cost(bucket, best, best_step))
             interval = max(self.min_interval, loss / (best_step * self.probe_cost))
             waited = self.num_steps - self.probed.get((bucket, n), self.first_seen[bucket])
             if waited >= interval:
@@ -232,6 +236,12 @@ class AdaptivePolicy:
         if due:
             return self._start_probe(bucket, max(due)[1])
         return best
+
+    def switch_cost(self, bucket: int, length: int, step: float) -> float:
+        """Seconds the first step of a run at this length costs beyond a steady ``step`` (one step
+        until measured in this bucket)."""
+        kept = self.entries.get((bucket, length))
+        return max(kept[0] / kept[1] - step, 0.0) if kept and kept[1] > 0 else step
 
     def _start_probe(self, bucket: int, length: int) -> int:
         self.probe = (bucket, length, self.probe_len - 1)
@@ -247,8 +257,9 @@ class AdaptivePolicy:
         for _, verified, accepted in step.verified:
             self.acceptance.add(verified, accepted)
 
-    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float) -> None:
-        kept = self.times.setdefault((max(num_reqs, 1).bit_length(), int(length)), [0.0, 0.0])
+    def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
+        kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
+                                                                  [0.0, 0.0])
         kept[0] = self.decay * kept[0] + seconds
         kept[1] = self.decay * kept[1] + 1
 

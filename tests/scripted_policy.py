@@ -20,7 +20,7 @@ class Alternating:
     def observe(self, step):
         pass
 
-    def observe_rate(self, length, num_reqs, tokens, seconds):
+    def observe_rate(self, length, num_reqs, tokens, seconds, first=False):
         pass
 
     def forget(self, req_ids):

@@ -22,23 +22,25 @@ def policy(**kw) -> AdaptivePolicy:
 class Machine:
     """Each draft is accepted with probability ``alpha`` (until the first rejection); a step costs
     ``seconds[length]`` (+-20%, random), and a step whose length differs from the previous one's
-    costs ``switch`` times as much (a pipeline drained or a proposer catching up). Reports to the
-    policy as the runner's drafting stage does: the verified drafts of every step, and the time of
-    a step amid steps of its own length."""
+    costs ``switch`` times as much plus ``entering[length]`` seconds (a pipeline drained, a proposer
+    catching up). Reports to the policy as the runner's drafting stage does: the verified drafts of
+    every step, and the time of a step the next one continued at its length (``first`` when the
+    one before ran at another)."""
 
     def __init__(self, p: AdaptivePolicy, seed: int = 0) -> None:
         self.p, self.rng = p, random.Random(seed)
         self.lengths: list[int] = []
         self.tokens = self.seconds = 0.0
 
-    def run(self, steps: int, batch: int, alpha: float, seconds: dict[int, float], switch: float = 2.0) -> list[int]:
+    def run(self, steps: int, batch: int, alpha: float, seconds: dict[int, float], switch: float = 2.0,
+            entering: dict[int, float] | None = None) -> list[int]:
         ids = [f"r{i}" for i in range(batch)]
         chosen = []
         last = None  # the previous step: (length, tokens, seconds)
         for _ in range(steps):
             n = self.p.drafting(ids)
-            if last is not None and len(self.lengths) >= 2 and self.lengths[-2] == last[0] == n:
-                self.p.observe_rate(n, batch, last[1], last[2])
+            if last is not None and len(self.lengths) >= 2 and last[0] == n:
+                self.p.observe_rate(n, batch, last[1], last[2], first=self.lengths[-2] != n)
             drafts = self.lengths[-1] if self.lengths else 0  # this step verifies the previous one's
             verified = []
             for rid in ids:
@@ -48,7 +50,9 @@ class Machine:
                 verified.append((rid, drafts, accepted))
             tokens = sum(1 + a for _, _, a in verified)
             self.p.observe(StepObservation(batch * (1 + drafts), 0.0, 0.0, n * batch, verified if drafts else []))
-            sec = seconds[n] * self.rng.uniform(0.8, 1.2) * (switch if self.lengths and self.lengths[-1] != n else 1)
+            switched = bool(self.lengths) and self.lengths[-1] != n
+            sec = seconds[n] * self.rng.uniform(0.8, 1.2) * (switch if switched else 1)
+            sec += (entering or {}).get(n, 0.0) if switched else 0.0
             self.lengths.append(n)
             chosen.append(n)
             self.tokens, self.seconds = self.tokens + tokens, self.seconds + sec
@@ -106,6 +110,17 @@ def test_it_follows_the_text_when_acceptance_falls_and_comes_back():
     assert m.run(3000, 1, 0.7, SMALL)[-1000:].count(3) > 900  # a probe saw them pay again
 
 
+def test_a_dear_switch_makes_probes_rarer():
+    """Entering a length with drafts costs 20 steps' time (a draft model catching up on the tokens
+    it skipped): measured, it spaces the probes of that length out."""
+    entering = {n: 20 * LARGE[0] if n else 0.0 for n in LARGE}
+    cheap, dear = Machine(policy()), Machine(policy(), seed=1)
+    cheap.run(4000, 32, 0.7, LARGE)
+    dear.run(4000, 32, 0.7, LARGE, entering=entering)
+    assert dear.lengths[-3000:].count(0) > cheap.lengths[-3000:].count(0)
+    assert dear.tokens / dear.seconds > 0.95 * 32 * expected_rate(0.7, LARGE, 0)
+
+
 def test_it_follows_the_machine_when_the_costs_change():
     m = Machine(policy())
     m.run(2000, 1, 0.7, SMALL)
@@ -128,7 +143,7 @@ def test_a_length_measured_elsewhere_is_scaled_by_one_measured_in_both():
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
     (a sampling thread); its rate is reported then, with its own request count, unless the step
-    after it admitted a request."""
+    after it admitted a request; the first step of a run is marked."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
@@ -140,8 +155,8 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
         def drafting(self, req_ids):
             return self.lengths.pop(0)
 
-        def observe_rate(self, length, num_reqs, tokens, seconds):
-            self.rates.append((length, num_reqs, tokens))
+        def observe_rate(self, length, num_reqs, tokens, seconds, first=False):
+            self.rates.append((length, num_reqs, tokens, first))
 
     policy = Recorder()
     stage = DraftingStage(SimpleNamespace(catches_up=True, keeps_up=False), policy,
@@ -155,9 +170,9 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
     # Step 1 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
-    # step 2 did too, but the next step admitted a request; step 3 is the last of its length,
-    # 4 the first of the next; 5 sat amid length 2.
-    assert policy.rates == [(0, 4, 11), (2, 5, 15)]
+    # step 2 did too, but the next step admitted a request; step 3 is the last of its length;
+    # 4 is the first of the next (its time includes the switch); 5 sat amid length 2.
+    assert policy.rates == [(0, 4, 11, False), (2, 5, 14, True), (2, 5, 15, False)]
 
 
 def test_fixed_policy():
