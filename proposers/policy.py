@@ -174,6 +174,8 @@ class AdaptivePolicy:
         """Every length's :meth:`step_time` in this bucket, borrowed where it has none (class
         docstring; a borrowed figure counts 0 steps measured)."""
         own = {n: self.step_time(bucket, n) for n in self.lengths}
+        if all(own.values()):
+            return own
         others = sorted({b for b, _ in self.times if b != bucket}, key=lambda b: (abs(b - bucket), b))
         if not any(own.values()):
             for b in others:
