@@ -85,8 +85,8 @@ class DraftingStage:
         tokens and the wall time to the next step's start, once, marked ``first`` when the step
         before it ran at another length; not when the next step starts requests (its time would
         count their prefill, or the engine's idle wait for them)."""
-        recent = self._recent
-        for before, step, after in zip(list(recent)[:-2], list(recent)[1:-1], list(recent)[2:]):
+        recent = list(self._recent)
+        for before, step, after in zip(recent, recent[1:], recent[2:]):
             if (not step.reported and step.tokens and step.length == after.length
                     and not after.admits and after.started > step.started):
                 step.reported = True
