@@ -122,6 +122,41 @@ class Timer:
         return out
 
 
+class PolicyTrace:
+    """What the speculation policy chose and measured, step by step: the length it ran at each step
+    (run-length encoded, ``3x40 0x8 ...``) and, per batch-size bucket and length, the steady step
+    times it was told (``observe_rate``: median and mean ms per step, count)."""
+
+    def __init__(self, policy: Any) -> None:
+        self.lengths: list[int] = []
+        self.steps: dict[str, list[float]] = {}
+        drafting, observe_rate = policy.drafting, policy.observe_rate
+
+        def traced_drafting(req_ids: Any) -> int:
+            n = int(drafting(req_ids))
+            self.lengths.append(n)
+            return n
+
+        def traced_observe_rate(length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
+            if not first:
+                self.steps.setdefault(f"b{max(num_reqs, 1).bit_length()} L{length}", []).append(1e3 * seconds)
+            observe_rate(length, num_reqs, tokens, seconds, first)
+
+        policy.drafting, policy.observe_rate = traced_drafting, traced_observe_rate
+
+    def summary(self) -> dict[str, Any]:
+        runs: list[list[int]] = []
+        for n in self.lengths:
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
+            else:
+                runs.append([n, 1])
+        return {"lengths": " ".join(f"{n}x{c}" for n, c in runs),
+                "share": {n: self.lengths.count(n) / len(self.lengths) for n in sorted(set(self.lengths))},
+                "step_ms": {k: {"median": float(np.median(v)), "mean": float(np.mean(v)), "count": len(v)}
+                            for k, v in sorted(self.steps.items())}}
+
+
 class Engine:
     """One ``LLM`` (with or without speculation) generating the benchmark's prompts ``batch_size`` at
     a time, one ``generate`` call per round."""
@@ -140,6 +175,8 @@ class Engine:
         self.rounds = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
+        drafter = self.llm.core.runner.drafter
+        self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
         self.times: list[float] = []
         # The first timed run's tokens and counters (greedy: every run is the same).
         self.stats: dict[str, Any] | None = None
@@ -313,6 +350,8 @@ def main() -> None:
                     if args.repeat:
                         base.run()
                     engine.run()
+                # What the policy did in the timed runs (the cost run's timers would skew its rates).
+                policy = engine.trace.summary() if engine.trace is not None else None
                 cost = engine.costs()
                 engine.close()
                 run, base_steps = engine.stats, base.stats["steps"]
@@ -326,6 +365,7 @@ def main() -> None:
                        "identical": run["tokens"] == base.stats["tokens"],
                        "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
                        "draft_token_cost": cost["propose_per_token_s"] / base_cost["forward_s"],
+                       "policy": policy,
                        **{key: v for key, v in run.items() if key != "tokens"}}
                 results.append(row)
                 report(f"batch {b}: {method} K={k}", {
@@ -339,6 +379,8 @@ def main() -> None:
                     "draft cost per step / per token (x target step)":
                         f"{row['draft_step_cost']:.2f} / {row['draft_token_cost']:.2f}",
                     "identical to no speculation": row["identical"],
+                    **({"policy lengths (share)": " ".join(f"{n}: {v:.2f}" for n, v in row["policy"]["share"].items())}
+                       if args.policy != "fixed" and row["policy"] else {}),
                     **({"requests off their known continuation (no drafts after)": row["diverged_requests"]}
                        if "diverged_requests" in row else {})})
         base.close()

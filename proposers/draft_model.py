@@ -5,12 +5,14 @@ The draft model keeps its own paged KV cache, indexed by the *target's* block ta
 (including the lookahead slots it reserves for drafts) covers the draft model too, and a finished or
 preempted request's draft KV goes away with its blocks.
 
-Rollback follows the target. After proposing ``k`` drafts for a request of ``L`` tokens, the draft
-cache holds positions ``< L + k - 1`` (the last draft is never fed back). When the target then
-accepts ``a`` drafts, the request has ``L' = L + a + 1`` tokens and the draft KV stays valid below
-``min(L + k - 1, L' - 1)``: accepted drafts were fed exactly as they were committed, the first
-rejected one was not. The next proposal feeds everything from there (the newest tokens, or a whole
-prompt after admission), then one token per further draft. Rejected slots are simply overwritten.
+Rollback follows the committed tokens. After proposing ``k`` drafts for a request of ``L`` tokens,
+the draft cache holds positions ``< L + k - 1``: the known tokens, then drafts ``0..k-2`` at
+``L..L+k-2`` (the last draft is never fed back). An entry depends only on the tokens up to its
+position, so at the next proposal the cache is valid up to the first of those drafts that differs
+from the token committed there (and below the newest token, which the draft model has not seen),
+however many steps the proposer skipped in between. The next proposal feeds everything from there
+(the newest tokens, or a whole prompt after admission), then one token per further draft. Stale
+slots are simply overwritten.
 
 On CUDA with the Triton attention backend greedy drafting replays CUDA graphs
 (``proposers.chain_graphs``) when every drafting request is plain greedy. The first step of a steady
@@ -48,7 +50,7 @@ class DraftModelProposer(Proposer):
     ``draft_dtype`` overrides the target's dtype for the draft."""
 
     FEED_ROWS = (1, 2)  # tokens per request a steady step's first draft step feeds
-    catches_up = True  # num_written: a proposal feeds every token its cache lacks
+    catches_up = True  # a proposal feeds every token its cache lacks (_valid_prefix)
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -69,9 +71,9 @@ class DraftModelProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, ProposalGraphs] = {}  # whole proposals, by tokens fed per request
-        # Per request: positions whose draft KV was written by the last proposal (an upper bound on
-        # what is still valid; see the module docstring).
-        self.num_written: dict[str, int] = {}
+        # Per request, what the last proposal left in the draft cache: the request's length then
+        # and the drafts it fed after it (module docstring).
+        self.written: dict[str, tuple[int, list[int]]] = {}
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.model_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
@@ -117,7 +119,7 @@ class DraftModelProposer(Proposer):
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
-            self.num_written.pop(rid, None)
+            self.written.pop(rid, None)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
@@ -130,13 +132,11 @@ class DraftModelProposer(Proposer):
         # Step 0 feeds every token whose draft KV is missing, up to the newest one.
         feed = {}
         for i in active:
-            rid = inputs.req_ids[i]
-            valid = min(self.num_written.get(rid, 0), lengths[i] - 1)
+            valid = self._valid_prefix(inputs.req_ids[i], inputs.token_ids[i])
             feed[i] = (valid, inputs.token_ids[i][valid:].tolist())
         if greedy_graphed(self.graphs_on, self.chain, limits[active]) and plain_greedy(inputs, active):
             self._propose_greedy_graphs(inputs, active, limits, lengths, feed, drafts)
-            for i in active:
-                self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
+            self._remember(inputs, active, lengths, drafts)
             return DraftProposal(drafts, [None] * inputs.num_reqs)
         for step in range(int(limits.max())):
             live = [i for i in active if limits[i] > step]
@@ -149,10 +149,27 @@ class DraftModelProposer(Proposer):
                     probs[i].append(q[k])
                 position = lengths[i] + step
                 feed[i] = (position, [tokens[k]])
-        for i in active:
-            self.num_written[inputs.req_ids[i]] = lengths[i] + len(drafts[i]) - 1
+        self._remember(inputs, active, lengths, drafts)
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
+
+    def _valid_prefix(self, req_id: str, token_ids: np.ndarray) -> int:
+        """Positions at the start of the request whose draft KV holds its committed tokens: up to
+        the first draft fed last time that differs from the token committed there, and below the
+        newest token."""
+        length, fed = self.written.get(req_id, (0, []))
+        newest = len(token_ids) - 1
+        valid = min(length, newest)
+        for token in fed:
+            if valid >= newest or int(token_ids[valid]) != token:
+                break
+            valid += 1
+        return valid
+
+    def _remember(self, inputs: ProposerInputs, active: list[int], lengths: dict[int, int],
+                  drafts: list[list[int]]) -> None:
+        for i in active:
+            self.written[inputs.req_ids[i]] = (lengths[i], drafts[i][:-1])
 
     def _propose_greedy_graphs(self, inputs: ProposerInputs, active: list[int], limits: np.ndarray,
                                lengths: dict[int, int], feed: dict[int, tuple[int, list[int]]],

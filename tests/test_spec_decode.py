@@ -27,6 +27,7 @@ from specloop.kernel.outputs import SpecDecodingStats
 from specloop.kernel.plugins import PluginManager
 from specloop.proposers.base import DraftProposal, ProposerInputs
 from specloop.proposers.draft_model import DraftModelProposer
+from specloop.proposers.policy import FixedPolicy
 from specloop.plugins.spec_metrics import get_spec_metrics
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -107,10 +108,28 @@ def test_draft_model_greedy_is_identical(target, small_draft, reference, k: int)
     assert metrics["num_preemptions"] > 0 and metrics["spec_num_draft_tokens"] > 0
 
 
-def test_draft_model_cache_follows_rollbacks(target, small_draft_hf, reference) -> None:
+class SkippingPolicy(FixedPolicy):
+    """Drafts in two steps of every five: the proposer (which catches up) skips the step that
+    verifies its drafts and the ones after, so it learns of a rejection only from the tokens."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.steps = 0
+
+    def drafting(self, req_ids) -> int:
+        self.steps += 1
+        return self.k if self.steps % 5 < 2 else 0
+
+    def choose(self, req_ids, limit: int) -> list[int]:
+        return [min(limit, self.k if self.steps % 5 < 2 else 0)] * len(req_ids)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "skipping"])
+def test_draft_model_cache_follows_rollbacks(target, small_draft_hf, reference, policy: str) -> None:
     """Every greedy proposal equals transformers' greedy continuation of the draft model from the
-    whole verified sequence: the draft's paged KV, rolled back after each rejection and rebuilt
-    after each preemption, never serves a stale position."""
+    whole verified sequence: the draft's paged KV, rolled back after each rejection (also when the
+    proposer skipped the steps since: ``skipping``) and rebuilt after each preemption, never serves
+    a stale position."""
     checked: list[int] = []
 
     def hf_greedy(tokens: list[int], k: int) -> list[int]:
@@ -134,14 +153,19 @@ def test_draft_model_cache_follows_rollbacks(target, small_draft_hf, reference) 
         def specloop_register_proposers(self, register) -> None:
             register("checked_draft", CheckedDraftModel)
 
-    spec = {"method": "checked_draft", "model": small_draft_hf.path, "num_speculative_tokens": 3}
+        @hookimpl
+        def specloop_register_speculation_policies(self, register) -> None:
+            register("skipping", SkippingPolicy)
+
+    spec = {"method": "checked_draft", "model": small_draft_hf.path, "num_speculative_tokens": 3,
+            "policy": policy}
     llm = LLM(target.path, skip_tokenizer_init=True, speculative_config=spec,
               plugins=PluginManager([Plugin()], load_entrypoints=False), **{**ROOMY, **STRESSED})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompt_set()], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     metrics = llm.get_metrics()
     rejected = metrics["spec_num_draft_tokens"] - metrics["spec_num_accepted_tokens"]
-    assert len(checked) > 50 and rejected > 50 and metrics["num_preemptions"] > 0
+    assert len(checked) > (50 if policy == "fixed" else 20) and rejected > 20 and metrics["num_preemptions"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
