@@ -4,8 +4,9 @@ to a proposer with ``runs_on_prefill_chunks``, those that computed a prefill chu
 ``take_draft_token_ids`` and the probabilities they were drawn from for the next verification.
 
 With ``pad_drafts`` (set when the executor replays CUDA graphs of uniform batches), every request
-that sampled gets as many drafts as the longest in the batch, where its length limits allow: a
-request with fewer repeats its last draft (or its newest token). A padded draft is a deterministic
+that sampled gets as many drafts as the longest in the batch, where ``max_model_len`` allows (not
+``max_tokens``: the scheduler drops tokens past a stop): a request with fewer repeats its last
+draft (or its newest token). A padded draft is a deterministic
 proposal like any other, so verification stays exact (greedy output is unchanged; sampled output
 still follows the target); it costs a few more verified tokens and turns a ragged decode batch,
 which would run eagerly, into one a graph replays. Padded drafts count as drafts in the metrics.
@@ -22,7 +23,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
-from specloop.proposers.base import DraftProposal, KeepUpInputs, Proposer, ProposerInputs, draft_limits
+from specloop.proposers.base import DraftProposal, KeepUpInputs, Proposer, ProposerInputs
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
@@ -186,18 +187,18 @@ class DraftingStage:
         return DraftTokenIds([inputs.req_ids[k] for k in keep], [drafts[k] for k in keep])
 
     def _pad(self, inputs: ProposerInputs, drafts: list[list[int]], probs: list[torch.Tensor | None]) -> None:
-        """Pad every sampling request's drafts towards the longest (module docstring), in place."""
+        """Pad every sampling request's drafts towards the longest (module docstring), in place:
+        past the policy's choice and the request's ``max_tokens`` (the scheduler drops what a
+        verification commits past a stop, so near its end a request still rides the batch's
+        graph), never past ``max_model_len``."""
         sampling = [k for k in range(len(drafts)) if inputs.num_sampled[k]]
         longest = max((len(drafts[k]) for k in sampling), default=0)
         if not longest or all(len(drafts[k]) == longest for k in sampling):
             return
-        # The hard limits only (model length, max_tokens): a uniform batch is worth more than the
-        # policy's ragged choice when a graph replays it.
-        saved, inputs.max_drafts = inputs.max_drafts, None
-        room = draft_limits(self.config, inputs, self.proposer.num_speculative_tokens)
-        inputs.max_drafts = saved
+        max_model_len = self.config.max_model_len or 1 << 62
         for k in sampling:
-            missing = min(longest, int(room[k])) - len(drafts[k])
+            room = max_model_len - len(inputs.token_ids[k]) - 1
+            missing = min(longest, room) - len(drafts[k])
             if missing <= 0:
                 continue
             fill = drafts[k][-1] if drafts[k] else int(inputs.token_ids[k][-1])

@@ -352,29 +352,32 @@ def test_padded_drafts_keep_greedy_identical(target, reference) -> None:
 
 
 def test_draft_padding_respects_limits_and_probabilities() -> None:
-    """Padding repeats the last draft (or the newest token), never passes a request's max_tokens,
-    skips requests that sampled nothing, and gives padded positions one-hot probabilities."""
+    """Padding repeats the last draft (or the newest token), passes a request's max_tokens (the
+    scheduler drops what lands past it) but never max_model_len, skips requests that sampled
+    nothing, and gives padded positions one-hot probabilities."""
     import numpy as np
 
     from specloop.backends.drafting import DraftingStage
     from specloop.proposers.policy import FixedPolicy
 
-    config = EngineConfig(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    config = EngineConfig(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                          max_model_len=46)
     proposer = type("P", (), {"num_speculative_tokens": 3})()
     stage = DraftingStage(proposer, FixedPolicy(config), config)
     params = [SamplingParams(max_tokens=100), SamplingParams(max_tokens=100), SamplingParams(max_tokens=7),
-              SamplingParams(max_tokens=100)]
-    inputs = ProposerInputs(req_ids=["a", "b", "c", "d"],
-                            token_ids=[np.arange(10), np.arange(20, 25), np.arange(30, 35), np.arange(40, 44)],
-                            num_prompt_tokens=np.array([4, 3, 0, 4]), num_sampled=np.array([1, 2, 1, 0]),
-                            num_rejected=np.zeros(4, dtype=np.int64), sampling_params=params,
-                            seeds=np.zeros(4, dtype=np.int64), max_drafts=np.array([3, 0, 3, 3]))
+              SamplingParams(max_tokens=100), SamplingParams(max_tokens=100)]
+    inputs = ProposerInputs(req_ids=["a", "b", "c", "d", "e"],
+                            token_ids=[np.arange(10), np.arange(20, 25), np.arange(30, 35), np.arange(40, 44),
+                                       np.arange(44)],
+                            num_prompt_tokens=np.array([4, 3, 0, 4, 4]), num_sampled=np.array([1, 2, 1, 0, 1]),
+                            num_rejected=np.zeros(5, dtype=np.int64), sampling_params=params,
+                            seeds=np.zeros(5, dtype=np.int64), max_drafts=np.array([3, 0, 3, 3, 3]))
     q = torch.softmax(torch.randn(1, 16), -1)
-    drafts, probs = [[7, 8, 9], [5], [], []], [None, q, None, None]
+    drafts, probs = [[7, 8, 9], [5], [], [], []], [None, q, None, None, None]
     stage._pad(inputs, drafts, probs)
-    # b: padded past the policy's 0 with its last draft; c: 5 output tokens of 7, room for one more
-    # step of 2 tokens (1 draft), padded with its newest token; d sampled nothing.
-    assert drafts == [[7, 8, 9], [5, 5, 5], [34], []]
+    # b: padded past the policy's 0 with its last draft; c: 5 output tokens of 7, padded with its
+    # newest token past max_tokens; d sampled nothing; e: 44 tokens of 46, room for one draft.
+    assert drafts == [[7, 8, 9], [5, 5, 5], [34, 34, 34], [], [43]]
     assert probs[1].shape == (3, 16) and torch.equal(probs[1][0], q[0])
     assert torch.equal(probs[1][1:], torch.nn.functional.one_hot(torch.tensor([5, 5]), 16).float())
 
