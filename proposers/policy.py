@@ -98,9 +98,12 @@ class _Acceptance:
             self.tried[i] += 1
             self.accepted[i] += i < accepted
 
-    def decay(self, factor: float) -> None:
-        self.accepted = [a * factor for a in self.accepted]
-        self.tried = [t * factor for t in self.tried]
+    def decay(self, factor: float, positions: int) -> None:
+        """Age the first ``positions`` (those a step tried): a position no step tries keeps what
+        it knew, rather than falling back to the prior."""
+        for i in range(min(positions, len(self.tried))):
+            self.accepted[i] *= factor
+            self.tried[i] *= factor
 
     def expected_tokens(self, length: int, prior: float = 0.5) -> float:
         """Tokens a request commits per step at this length: 1 + the chance that each draft and
@@ -159,6 +162,7 @@ class AdaptivePolicy:
         self.entries: dict[tuple[int, int], list[float]] = {}
         self.probed: dict[tuple[int, int], int] = {}
         self.first_seen: dict[int, int] = {}
+        self.held: dict[int, int] = {}  # per bucket, the length it runs between probes
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
 
@@ -221,13 +225,20 @@ class AdaptivePolicy:
         if unknown:
             return self._start_probe(bucket, unknown[0])
         best = max(self.lengths, key=lambda n: (rates[n][0], -n))
+        held = self.held.get(bucket)
+        if held is not None and held != best:
+            # Stay unless the gain over min_interval steps pays for the switch (noise between
+            # close rates would otherwise switch back and forth, each switch a drained step).
+            gain = (1 - rates[held][0] / rates[best][0]) * self.min_interval * rates[held][1]
+            if gain < self.switch_cost(bucket, best, rates[best][1]):
+                best = held
+        self.held[bucket] = best
         best_rate, best_step, _ = rates[best]
         due = []
         for n in self.lengths:
             if n == best:
                 continue
-            rate, step, measured = rates[n]
-            rate = min(best_rate, rate * (1 + self.optimism / max(measured, 1.0) ** 0.5))
+            rate, step, _ = rates[n]
             # Seconds a probe loses against the best length: its steps' shortfall, and its switches.
             loss = (self.probe_len * step * (1 - rate / best_rate) + self.switch_cost(bucket, n, step)
                     + self.switch_cost(bucket, best, best_step))
@@ -255,7 +266,8 @@ class AdaptivePolicy:
 
     def observe(self, step: StepObservation) -> None:
         if step.verified:
-            self.acceptance.decay(self.accept_decay)
+            reached = max(min(verified, accepted + 1) for _, verified, accepted in step.verified)
+            self.acceptance.decay(self.accept_decay, reached)
         for _, verified, accepted in step.verified:
             self.acceptance.add(verified, accepted)
 
