@@ -123,37 +123,36 @@ class AdaptivePolicy:
     over the step's wall time at that length:
 
     * expected tokens come from the acceptance of each draft position (conditional on the earlier
-      ones), over all verified drafts, decayed by ``accept_decay`` per step: acceptance moves with
-      the text being written, and whichever length runs measures it (a longer length's extra
-      positions are measured when it runs);
+      ones), over all verified drafts, decayed by ``accept_decay`` per step at the positions the
+      step tried: acceptance moves with the text being written, and whichever length runs
+      measures it (a longer length's extra positions are measured when it runs);
     * step time is measured per batch-size bucket (a power of two) and length, on steps that ran
       amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
       that overlaps the next, drafting included), decayed by ``decay`` per step measured. A bucket
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
       length both measured; a length between two it has measured (0 and ``K``) is interpolated.
 
-    The policy runs the length with the highest rate. A length whose step time nobody has measured
-    is probed first (``K``, then 0; the lengths between are interpolated), in runs of ``probe_len``
-    steps. Every other length is probed again as often as keeps its expected loss under
-    ``probe_cost`` of the time: a probe loses its steps' shortfall against the best rate plus what
-    its two switches cost (a pipeline drains, a proposer catches up on the tokens it skipped: the
-    measured excess of the first step of a run of each length over its steady step, one step until
-    measured), so it comes once that loss is ``probe_cost`` of the steps since the last, and not
-    more often than every ``min_interval`` steps. The loss is reckoned with the rate raised by
-    ``optimism / sqrt(steps measured)`` (capped at the best): a length measured little, or only in
-    another bucket, is probed again soon.
-    Probes of a length with drafts also refresh the acceptance while the policy drafts nothing.
+    The policy runs the length with the highest rate, but holds the length it runs in a bucket
+    unless the better one's gain over ``min_interval`` steps pays for the switch. A length whose
+    step time nobody has measured is probed first (``K``, then 0; the lengths between are
+    interpolated), in runs of ``probe_len`` steps. Every other length is probed again as often as
+    keeps its expected loss under ``probe_cost`` of the time: a probe loses its steps' shortfall
+    against the best rate (at the length's estimated rate) plus what its two switches cost (a
+    pipeline drains, a proposer catches up on the tokens it skipped: the measured excess of the
+    first step of a run of each length over its steady step, one step until measured), so it comes
+    once that loss is ``probe_cost`` of the steps since the last, and not more often than every
+    ``min_interval`` steps. Probes of a length with drafts also refresh the acceptance while the
+    policy drafts nothing.
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
-                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95,
-                 optimism: float = 1.0) -> None:
+                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
         self.probe_len, self.probe_cost, self.min_interval = probe_len, probe_cost, min_interval
-        self.decay, self.accept_decay, self.optimism = decay, accept_decay, optimism
+        self.decay, self.accept_decay = decay, accept_decay
         self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
         self.acceptance = _Acceptance(self.k)
         self.num_steps = 0
