@@ -27,7 +27,7 @@ from specloop.proposers.base import DraftProposal, KeepUpInputs, Proposer, Propo
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
-from .requests import CachedRequestState
+from .requests import PLACEHOLDER, CachedRequestState
 
 
 @dataclass(slots=True)
@@ -64,6 +64,9 @@ class DraftingStage:
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
         self._recent: deque[StepRecord] = deque(maxlen=6)  # the last steps, for the policy's rates
+        # Per request, its token ids as an array kept across steps (buffer, tokens valid in it):
+        # a step appends its few new tokens instead of converting the whole list again.
+        self._arrays: dict[str, tuple[np.ndarray, int]] = {}
 
     def begin_step(self, plan: SchedulerOutput, inline: bool) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
@@ -101,6 +104,7 @@ class DraftingStage:
     def remove(self, req_ids: frozenset[str], finished: frozenset[str]) -> None:
         for rid in req_ids:
             self.draft_probs.pop(rid, None)
+            self._arrays.pop(rid, None)
         if req_ids:
             self.proposer.remove_requests(req_ids)
         if finished:
@@ -157,7 +161,7 @@ class DraftingStage:
         num_drafts = [len(batch.spec_token_ids[i]) for i in idx]
         inputs = ProposerInputs(
             req_ids=[r.req_id for r in reqs],
-            token_ids=[np.array(r.token_ids, dtype=np.int64) for r in reqs],  # this step's tokens included
+            token_ids=[self._token_array(r) for r in reqs],  # this step's tokens included
             num_prompt_tokens=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
             num_sampled=np.array([len(sampled[i]) for i in idx], dtype=np.int64),
             # A request that verified d drafts and emitted s tokens accepted s - 1 of them.
@@ -185,6 +189,29 @@ class DraftingStage:
         if not keep:
             return None
         return DraftTokenIds([inputs.req_ids[k] for k in keep], [drafts[k] for k in keep])
+
+    def _token_array(self, state: CachedRequestState) -> np.ndarray:
+        """``state.token_ids`` as an int64 array (a view of a buffer kept for the request; read
+        only). A resident request's token ids only grow, and a position keeps its value once it is
+        no longer a placeholder, so only the tokens since the last call are copied."""
+        ids = state.token_ids
+        total = len(ids)
+        buffer, valid = self._arrays.get(state.req_id, (None, 0))
+        if buffer is None or valid > total:
+            buffer, valid = None, 0
+        if buffer is None or total > len(buffer):
+            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            if buffer is not None:
+                grown[:valid] = buffer[:valid]
+            buffer = grown
+        if total > valid:
+            buffer[valid:total] = ids[valid:total]
+        # A placeholder (a token still on the device) is copied again next time.
+        resolved = total if PLACEHOLDER not in ids[valid:total] else ids.index(PLACEHOLDER, valid)
+        self._arrays[state.req_id] = (buffer, resolved)
+        view = buffer[:total]
+        view.flags.writeable = False
+        return view
 
     def _pad(self, inputs: ProposerInputs, drafts: list[list[int]], probs: list[torch.Tensor | None]) -> None:
         """Pad every sampling request's drafts towards the longest (module docstring), in place:

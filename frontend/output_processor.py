@@ -137,7 +137,10 @@ class RequestTracker:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions.values())
+        completions = self.completions
+        if len(completions) == 1:  # n = 1: no generator for every output of every step
+            return next(iter(completions.values())).finish_reason is not None
+        return all(c.finished for c in completions.values())
 
     def unfinished_ids(self) -> list[str]:
         return [rid for rid, c in self.completions.items() if not c.finished]

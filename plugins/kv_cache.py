@@ -68,12 +68,15 @@ class PagedKVCache:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError("allocate_slots needs non-negative token counts")
-        hits = [self.pool.blocks[i] for i in new_computed_blocks or ()]
-        table = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_needed = num_computed + num_new_tokens + num_lookahead_tokens
+        table = self.req_to_blocks.get(request.request_id)
+        num_needed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
             num_needed = min(num_needed, self.max_model_len)
+        if table is not None and not new_computed_blocks and num_needed <= len(table) * self.block_size:
+            return []  # the common decode step: its slots are in blocks it holds already
+        hits = [self.pool.blocks[i] for i in new_computed_blocks or ()]
+        if table is None:
+            table = []
         num_new_blocks = max(cdiv(num_needed, self.block_size) - len(table) - len(hits), 0)
         # Hits that sit in the free queue stop being allocatable once touched.
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)
@@ -98,8 +101,12 @@ class PagedKVCache:
         for committed tokens becomes shareable: never drafts (invariant 5), never slots of a step
         that was taken back, and no request relies on KV another one writes in the same step.
         """
-        if self.enable_caching and request.request_id in self.req_to_blocks:
-            self._cache_full_blocks(request, min(num_computed_tokens, request.num_tokens))
+        if not self.enable_caching:
+            return
+        full = min(num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        # Most steps fill no block: nothing new to publish.
+        if full > self._num_cached_blocks.get(request.request_id, 0) and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, full * self.block_size)
 
     def free(self, request: Request) -> None:
         table = self.req_to_blocks.pop(request.request_id, [])

@@ -267,13 +267,17 @@ class FCFSScheduler:
         scheduled = self._in_flight.pop(plan.step_id, {})
         stats = SchedulerStats(num_prompt_tokens=self._prompt_tokens.pop(plan.step_id, 0))
         outputs = []
-        for i, rid in enumerate(result.req_ids):
+        # Hoisted out of the loop over requests (it runs for every request of every step).
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        logprobs_all, prompt_logprobs_all = result.logprobs, result.prompt_logprobs
+        cache_blocks, running = self.kv_cache.cache_blocks, RequestStatus.RUNNING
+        num_generated = 0
+        for i, (rid, sampled) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
             request, sampling = scheduled.get(rid, (None, False))
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status != running:
                 continue  # aborted (or preempted) while the step ran: drop its output (invariant 9)
             request.num_output_placeholders -= sampling
-            sampled = result.sampled_token_ids[i]
-            num_draft = len(plan.scheduled_spec_decode_tokens.get(rid, ()))
+            num_draft = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
             num_accepted = 0
             if num_draft:
                 # The runner returns the accepted drafts followed by the target's own token.
@@ -282,50 +286,55 @@ class FCFSScheduler:
                 request.num_draft_tokens += num_draft
                 request.num_accepted_tokens += num_accepted
                 stats.spec_decoding.observe(num_draft, num_accepted)
-            self.kv_cache.cache_blocks(request, request.num_computed_tokens)
-            kept = self._append_and_check_stop(request, sampled)
-            stats.num_generation_tokens += len(kept)
-            logprobs = result.logprobs[i] if result.logprobs is not None else None
-            prompt_logprobs = result.prompt_logprobs.get(rid)
+            cache_blocks(request, request.num_computed_tokens)
+            kept = self._append_and_check_stop(request, sampled) if sampled else []
+            num_generated += len(kept)
+            prompt_logprobs = prompt_logprobs_all.get(rid) if prompt_logprobs_all else None
             if kept and request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            if kept or request.is_finished or prompt_logprobs:
+            finished = request.status.finished
+            if kept or finished or prompt_logprobs:
+                logprobs = logprobs_all[i] if logprobs_all is not None else None
                 outputs.append(EngineCoreOutput(
                     req_id=rid, new_token_ids=kept,
                     new_logprobs=logprobs[:len(kept)] if logprobs is not None else None,
                     new_prompt_logprobs=prompt_logprobs, finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason, num_cached_tokens=max(request.num_cached_tokens, 0),
                     num_draft_tokens=num_draft, num_accepted_tokens=num_accepted))
-            if request.is_finished:
+            if finished:
                 self.running.remove(request)
                 self._release(request)
+        stats.num_generation_tokens = num_generated
         self._fill_stats(stats)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)
 
     def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
-        """Commit sampled tokens one by one; a stop truncates exactly there, dropping the rest."""
+        """Commit sampled tokens one by one; a stop truncates exactly there, dropping the rest.
+
+        A stop: EOS (unless ``ignore_eos``) or a stop token id, both held back until ``min_tokens``
+        outputs, or the length limits (``max_tokens``, ``max_model_len``), which ``min_tokens``
+        never holds back. (Inline, without the request's properties: it runs for every token.)"""
+        params = request.sampling_params
+        output, all_ids = request.output_token_ids, request.all_token_ids
+        max_tokens = params.max_tokens if params.max_tokens is not None else 1 << 62
+        eos = () if params.ignore_eos else request.eos_token_ids
+        stop_ids = params.stop_token_ids
         for n, token in enumerate(sampled, 1):
-            request.append_output_token_ids(token)
-            if self._check_stop(request):
+            output.append(token)
+            all_ids.append(token)
+            num_output = len(output)
+            if num_output >= params.min_tokens:
+                if token in eos:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    return sampled[:n]
+                if stop_ids and token in stop_ids:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.stop_reason = token
+                    return sampled[:n]
+            if num_output >= max_tokens or len(all_ids) >= self.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH
                 return sampled[:n]
         return list(sampled)
-
-    def _check_stop(self, request: Request) -> bool:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        # min_tokens holds back EOS and stop ids, never the length limits.
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-                return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     def _release(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -11,7 +11,7 @@ from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 from specloop.proposers.base import ProposerInputs
-from specloop.proposers.ngram import NgramProposer, find_ngram_continuation
+from specloop.proposers.ngram import NgramProposer, find_ngram_continuation, find_ngram_continuations
 
 
 def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -87,6 +87,20 @@ def test_matches_brute_force_on_random_sequences() -> None:
         k = rng.randint(1, 6)
         got = find_ngram_continuation(np.array(tokens), lo, hi, k).tolist()
         assert got == brute_force(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_the_batched_search_equals_the_per_request_one() -> None:
+    """The proposer's batched search (one padded array for the whole batch) finds what the
+    per-request search finds, row for row, with rows of different lengths and limits."""
+    rng = random.Random(1)
+    for _ in range(200):
+        batch = [np.array([rng.randrange(5) for _ in range(rng.randrange(1, 60))]) for _ in range(rng.randint(1, 9))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        limits = [rng.randint(0, 6) for _ in batch]
+        got = [d.tolist() for d in find_ngram_continuations(batch, lo, hi, limits)]
+        assert got == [find_ngram_continuation(t, lo, hi, k).tolist() for t, k in zip(batch, limits)], \
+            (batch, lo, hi, limits)
 
 
 def test_registered_as_ngram() -> None:
