@@ -33,7 +33,10 @@ real drafting cost, but its drafts are replaced by the target's known greedy con
 run without speculation), each position right with probability A, so speedup can be read against
 acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
 speculation policy choose the speculation length per step (K is then its maximum).
-``--batch-invariant`` runs both engines in batch-invariant mode: ``identical`` should then read yes
+``--continuous`` submits every prompt at once with at most b running (continuous batching, as a
+server sees it) instead of lockstep rounds of b, whose tails (requests finishing at different steps
+under speculation) the run without drafts never has. ``--batch-invariant`` runs both engines in
+batch-invariant mode: ``identical`` should then read yes
 in bf16, and the no-draft time against a run without the flag is the mode's cost. The two
 engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU.
 
@@ -172,7 +175,10 @@ class Engine:
                        batch_invariant=args.batch_invariant)
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         requests = [{"prompt_token_ids": p} for p in prompts]
-        self.rounds = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+        # Lockstep rounds of batch_size (the default), or every prompt at once with at most
+        # batch_size running (--continuous: a finished request's place goes to the next prompt).
+        self.rounds = ([requests] if args.continuous else
+                       [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)])
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
@@ -265,6 +271,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per batch size at least; smaller batches run several rounds")
+    parser.add_argument("--continuous", action="store_true",
+                        help="submit every prompt at once, at most the batch size running, instead of lockstep "
+                             "rounds (with drafts the requests of a round finish at different steps, so each round "
+                             "ends with a shrinking batch the run without drafts never has)")
     parser.add_argument("--min-rounds", type=int, default=1,
                         help="at least this many rounds of each batch size (e.g. 3: the adaptive policy "
                              "measures before it settles, and one round of batch 128 is ~130 steps)")
