@@ -16,6 +16,8 @@ the live values; rows past the live batch are padding a graph may read (no owner
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -132,9 +134,14 @@ class PersistentBatch:
         for writes, target in ((self._token_writes, self.tokens), (self._block_writes, self.block_table)):
             if not writes:
                 continue
-            rows = np.concatenate([np.full(len(v), s, dtype=np.int64) for s, _, v in writes])
-            cols = np.concatenate([np.arange(c, c + len(v), dtype=np.int64) for _, c, v in writes])
-            vals = np.concatenate([np.asarray(v, dtype=np.int32) for _, _, v in writes])
+            # Whole-step arrays from a few calls, not three small ones per request.
+            n = len(writes)
+            lens = np.fromiter((len(v) for _, _, v in writes), dtype=np.int64, count=n)
+            total = int(lens.sum())
+            rows = np.repeat(np.fromiter((s for s, _, _ in writes), dtype=np.int64, count=n), lens)
+            starts = np.fromiter((c for _, c, _ in writes), dtype=np.int64, count=n)
+            cols = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+            vals = np.fromiter(chain.from_iterable(v for _, _, v in writes), dtype=np.int32, count=total)
             if cols.size and int(cols.max()) >= target.shape[1]:
                 raise ValueError(f"a request outgrew the device batch ({int(cols.max()) + 1} > {target.shape[1]})")
             flat = torch.from_numpy(rows * target.shape[1] + cols).to(self.device, non_blocking=True)
