@@ -3,7 +3,8 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (SPEC_ARGS: more spec_decode.py flags for the spec stages, e.g. --batch-invariant; SPEC_ROUNDS:
+# (SPEC_ARGS: more spec_decode.py flags for the spec stages, e.g. --batch-invariant or --continuous;
+# SPEC_REPEAT: timed runs of each configuration, 2 by default; SPEC_ROUNDS:
 # at least that many rounds of each batch size in the spec stage)
 # (stages: tests offline decode decode8b prefill breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
@@ -74,11 +75,11 @@ for s in $stages; do
              --engine-args "--skip-tokenizer-init --dtype bfloat16" ;;
     spec)  # speculative decoding on the default models (greedy, held-out prompts), fixed and adaptive K
       stage spec_default "${T_SPEC:-300}" python3 benchmarks/spec_decode.py --out "$RES/spec" --device cuda \
-             --batch-sizes "${SPEC_BATCHES:-1,32}" --ks "${SPEC_KS:-1,3}" --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --repeat 2 \
+             --batch-sizes "${SPEC_BATCHES:-1,32}" --ks "${SPEC_KS:-1,3}" --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --repeat "${SPEC_REPEAT:-2}" \
              --min-rounds "${SPEC_ROUNDS:-1}" ${SPEC_ARGS:-}
       stage spec_adaptive "${T_SPEC_ADAPTIVE:-200}" python3 benchmarks/spec_decode.py --out "$RES/spec_adaptive" \
              --device cuda --batch-sizes "${SPEC_BATCHES:-1,32}" --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --policy adaptive \
-             --repeat 2 --min-rounds "${SPEC_ROUNDS:-1}" ${SPEC_ARGS:-} ;;
+             --repeat "${SPEC_REPEAT:-2}" --min-rounds "${SPEC_ROUNDS:-1}" ${SPEC_ARGS:-} ;;
     spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram and a one-layer (EAGLE-cost) draft
       stage spec_controlled_8b "${T_SPEC8B:-330}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \
              --device cuda --ckpt-root "$CKPT" --model llama3-8b --draft-model llama3-8b-1layer --prompts random \
