@@ -10,6 +10,12 @@ TPOT ((latency - TTFT) / (output_len - 1)), ITL (gaps between streamed chunks), 
 throughput on the same prompts in the same run and the serving/offline ratio at rate ``inf``.
 
     python benchmarks/serving.py --model /path/to/model --rates 1,4,16,inf --num-prompts 200
+
+``--model scripted`` serves the ``scripted`` model runner (no model, no GPU; a 1000-token
+vocabulary): what is left is the host's share, the server, the engine-process hop, output
+processing and the engine loop, against the same engine offline.
+
+    python benchmarks/serving.py --model scripted --rates inf --num-prompts 256 --input-len 128 --offline
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
+import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import git_commit  # noqa: E402
@@ -57,7 +65,12 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+SCRIPTED = ["--model-runner", "scripted", "--skip-tokenizer-init"]
+
+
 def vocab_size(model: str) -> int:
+    if model == "scripted":
+        return 1000  # the scripted runner's default vocabulary
     with open(os.path.join(model, "config.json")) as f:
         return int(json.load(f)["vocab_size"])
 
@@ -67,19 +80,42 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(host: str, port: int, model: str, prompt: list[int], output_len: int) -> Result:
+    """One streamed completion over its own connection, read with asyncio streams: the status line,
+    the headers, then the chunked body's server-sent events, each timed as it arrives. (A
+    general-purpose client's per-event cost would make the load generator, not the server, the
+    bottleneck at tens of thousands of tokens a second.)"""
+    body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
+                         "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
     start = time.perf_counter()
     ttft, last, itl, tokens = 0.0, start, [], 0
+    writer = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return Result(False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        headers = head.lower()
+        if b"transfer-encoding: chunked" not in headers:
+            length = b"0"
+            if b"content-length:" in headers:
+                length = headers.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0]
+            payload = await reader.readexactly(int(length))
+            return Result(False, error=f"HTTP {status}: {payload[:200]!r}")
+        if status != 200:
+            return Result(False, error=f"HTTP {status}")
+        pending = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";", 1)[0], 16)
+            if size == 0:
+                break
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = orjson.loads(event[6:])
                 if "error" in chunk:
                     return Result(False, error=chunk["error"]["message"])
                 if chunk.get("usage"):
@@ -92,8 +128,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 else:
                     itl.append(now - last)
                 last = now
-    except httpx.HTTPError as e:
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         return Result(False, error=repr(e))
+    finally:
+        if writer is not None:
+            writer.close()
     return Result(True, ttft, time.perf_counter() - start, tokens, itl)
 
 
@@ -101,21 +140,20 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
                    max_concurrency: int, seed: int) -> tuple[list[Result], float]:
     rng = np.random.default_rng(seed)
     limit = asyncio.Semaphore(max_concurrency)
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    address = httpx.URL(url)
 
-    async def bounded(client: httpx.AsyncClient, prompt: list[int]) -> Result:
+    async def bounded(prompt: list[int]) -> Result:
         async with limit:
-            return await one_request(client, model, prompt, output_len)
+            return await one_request(address.host, address.port, model, prompt, output_len)
 
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(bounded(client, prompt)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.exponential(1.0 / rate))
-        results = await asyncio.gather(*tasks)
-        return list(results), time.perf_counter() - start
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(bounded(prompt)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.exponential(1.0 / rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
 
 
 def summarize(results: list[Result], duration: float, input_len: int) -> dict[str, float]:
@@ -145,8 +183,9 @@ def free_port() -> int:
 
 
 def start_server(model: str, port: int, engine_args: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "specloop", "serve", model, "--port", str(port), "--served-model-name", "bench",
-           "--log-level", "warning", *engine_args]
+    model_args = SCRIPTED if model == "scripted" else [model]
+    cmd = [sys.executable, "-m", "specloop", "serve", *model_args, "--port", str(port), "--served-model-name",
+           "bench", "--log-level", "warning", *engine_args]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -167,8 +206,9 @@ def offline_throughput(model: str, engine_args: list[str], warmup: list[list[int
     from specloop import LLM, SamplingParams
     from specloop.cli import build_parser, engine_kwargs
 
-    kwargs = engine_kwargs(build_parser().parse_args(["serve", model, *engine_args]))
-    llm = LLM(model, **kwargs)
+    model_args = SCRIPTED if model == "scripted" else [model]
+    kwargs = engine_kwargs(build_parser().parse_args(["serve", *model_args, *engine_args]))
+    llm = LLM(None if model == "scripted" else model, **kwargs)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     llm.generate(warmup, params, use_tqdm=False)
     start = time.perf_counter()
@@ -178,7 +218,7 @@ def offline_throughput(model: str, engine_args: list[str], warmup: list[list[int
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="local Hugging Face model directory")
+    ap.add_argument("--model", required=True, help="local Hugging Face model directory, or 'scripted' (no model)")
     ap.add_argument("--url", default=None, help="an already running server (default: start one on loopback)")
     ap.add_argument("--engine-args", default="", help='flags for specloop serve / LLM, e.g. "--dtype bfloat16"')
     ap.add_argument("--num-prompts", type=int, default=200)
@@ -213,9 +253,9 @@ def main() -> int:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     report: dict[str, Any] = {"config": config, "rates": {}}
     try:
-        asyncio.run(run_rate(url, model, warmup, args.output_len, float("inf"), args.max_concurrency, args.seed))
+        uvloop.run(run_rate(url, model, warmup, args.output_len, float("inf"), args.max_concurrency, args.seed))
         for rate, prompts in zip(rates, prompt_sets):
-            results, duration = asyncio.run(run_rate(url, model, prompts, args.output_len, rate,
+            results, duration = uvloop.run(run_rate(url, model, prompts, args.output_len, rate,
                                                      args.max_concurrency, args.seed))
             stats = summarize(results, duration, args.input_len)
             report["rates"][str(rate)] = stats
