@@ -142,15 +142,15 @@ def test_a_length_measured_elsewhere_is_scaled_by_one_measured_in_both():
 
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
-    (a sampling thread); its rate is reported then, with its own request count, unless the step
-    after it admitted a request; the first step of a run is marked."""
+    (a sampling thread); its rate is reported then, with its own request count, unless it or the
+    step after it admitted a request; the first step of a run is marked."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
 
     class Recorder:
         def __init__(self):
-            self.lengths, self.rates = [0, 0, 0, 0, 2, 2, 2, 2], []
+            self.lengths, self.rates = [0, 0, 0, 0, 2, 2, 2, 2, 2, 2], []
 
         def drafting(self, req_ids):
             return self.lengths.pop(0)
@@ -162,8 +162,8 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     stage = DraftingStage(SimpleNamespace(catches_up=True, keeps_up=False), policy,
                           EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
     plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={},
-                             scheduled_new_reqs=["r4"] if i == 3 else [], scheduled_resumed_reqs=[])
-             for i, n in enumerate((4, 4, 4, 5, 5, 5, 5, 5))]
+                             scheduled_new_reqs=[f"r{n - 1}"] if i in (3, 6) else [], scheduled_resumed_reqs=[])
+             for i, n in enumerate((4, 4, 4, 5, 5, 5, 6, 6, 6, 6))]
     records = []
     for n, plan in enumerate(plans):
         records.append(stage.begin_step(plan, inline=False))
@@ -171,8 +171,9 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
             records[n - 1].tokens = 10 + n - 1
     # Step 1 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
     # step 2 did too, but the next step admitted a request; step 3 is the last of its length;
-    # 4 is the first of the next (its time includes the switch); 5 sat amid length 2.
-    assert policy.rates == [(0, 4, 11, False), (2, 5, 14, True), (2, 5, 15, False)]
+    # 4 is the first of the next (its time includes the switch); 5 and 6 sat amid length 2, but
+    # 6 admitted a request (so 5 is followed by one that did); 7 is a plain step again.
+    assert policy.rates == [(0, 4, 11, False), (2, 5, 14, True), (2, 6, 17, False)]
 
 
 def test_fixed_policy():
