@@ -132,6 +132,10 @@ class AdaptivePolicy:
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
       length both measured; a length between two it has measured (0 and ``K``) is interpolated.
 
+    Step times reported during the first ``warmup`` steps (``2 * probe_len``: the first probes of
+    ``K`` and 0) are dropped: a fresh engine's first steps carry one-time costs, and one bad
+    measurement of a length would otherwise keep the policy off it for thousands of steps.
+
     The policy runs the length with the highest rate, but holds the length it runs in a bucket
     unless the better one's gain over ``min_interval`` steps pays for the switch. A length whose
     step time nobody has measured is probed first (``K``, then 0; the lengths between are
@@ -146,12 +150,16 @@ class AdaptivePolicy:
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
-                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95) -> None:
+                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95,
+                 warmup: int | None = None) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
         self.probe_len, self.probe_cost, self.min_interval = probe_len, probe_cost, min_interval
+        # Step times of the engine's first steps are not kept (one-time costs: kernels compiled and
+        # tuned, first graph replays, the allocator growing): its first probes of K and 0.
+        self.warmup = 2 * probe_len if warmup is None else warmup
         self.decay, self.accept_decay = decay, accept_decay
         self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
         self.acceptance = _Acceptance(self.k)
@@ -219,6 +227,8 @@ class AdaptivePolicy:
         return self.length
 
     def _next_length(self, bucket: int) -> int:
+        if self.num_steps < self.warmup:  # warm K and 0 up in turn
+            return self._start_probe(bucket, self.k if (self.num_steps // self.probe_len) % 2 == 0 else 0)
         rates = self.rates(bucket)
         unknown = [n for n in self.lengths if rates[n] is None]
         if unknown:
@@ -271,6 +281,8 @@ class AdaptivePolicy:
             self.acceptance.add(verified, accepted)
 
     def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
+        if self.num_steps < self.warmup:
+            return
         kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
                                                                   [0.0, 0.0])
         kept[0] = self.decay * kept[0] + seconds
