@@ -38,7 +38,6 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
-import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import git_commit  # noqa: E402
@@ -66,6 +65,11 @@ def device_name(device: str) -> str:
 
 
 SCRIPTED = ["--model-runner", "scripted", "--skip-tokenizer-init"]
+
+try:  # the load generator's event loop: uvloop where it is installed
+    from uvloop import run as run_loop
+except ImportError:
+    run_loop = asyncio.run
 
 
 def vocab_size(model: str) -> int:
@@ -253,9 +257,9 @@ def main() -> int:
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     report: dict[str, Any] = {"config": config, "rates": {}}
     try:
-        uvloop.run(run_rate(url, model, warmup, args.output_len, float("inf"), args.max_concurrency, args.seed))
+        run_loop(run_rate(url, model, warmup, args.output_len, float("inf"), args.max_concurrency, args.seed))
         for rate, prompts in zip(rates, prompt_sets):
-            results, duration = uvloop.run(run_rate(url, model, prompts, args.output_len, rate,
+            results, duration = run_loop(run_rate(url, model, prompts, args.output_len, rate,
                                                      args.max_concurrency, args.seed))
             stats = summarize(results, duration, args.input_len)
             report["rates"][str(rate)] = stats
