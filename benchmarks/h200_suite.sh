@@ -3,7 +3,7 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (SPEC_ARGS: more spec_decode.py flags for the spec stages, e.g. --batch-invariant or --continuous;
+# (OFFLINE_ARGS: more offline_throughput.py flags, e.g. --no-peer; SPEC_ARGS: more spec_decode.py flags for the spec stages, e.g. --batch-invariant or --continuous;
 # SPEC_REPEAT: timed runs of each configuration, 2 by default; SPEC_ROUNDS:
 # at least that many rounds of each batch size in the spec stage)
 # (stages: tests offline decode decode8b prefill breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
@@ -57,7 +57,7 @@ for s in $stages; do
              --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py tests/test_gpu_speculation.py \
              tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
-             --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ;;
+             --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ${OFFLINE_ARGS:-} ;;
     decode) stage decode_latency "${T_DECODE:-120}" python3 benchmarks/decode_latency.py --out "$RES" \
              --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4,16,64,256 ;;
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \

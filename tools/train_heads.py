@@ -10,7 +10,7 @@ in the public checkpoint layouts that ``specloop.proposers`` loads (``docs/specu
   the EAGLE paper's recipe.
 * EAGLE-3 (``LlamaForCausalLMEagle3``): ``fc`` fuses three of the target's residual streams (3H -> H),
   ``midlayer`` attends over [normed embedding ; normed hidden] (2H), its own ``norm`` and ``lm_head``
-  over the ``DRAFT_VOCAB`` most frequent training tokens (``d2t``, ``t2d``). Training-time test: step j
+  over the ``EAGLE3_VOCAB`` most frequent training tokens (``d2t``, ``t2d``). Training-time test: step j
   feeds the layer its own step j-1 outputs, attends to the target-fed keys of earlier positions and
   to its own keys of steps 1..j at the same position, exactly as drafting does, and learns the
   target's distribution j + 1 tokens ahead (losses weighted 0.8^j).
@@ -33,7 +33,8 @@ from torch import nn
 
 HEAD_INTERMEDIATE = 384  # the heads' MLP width (the target's is 896): small to ship, cheap to draft
 # EAGLE-3's draft vocabulary and Medusa's token map: 87% of held-out tokens, 92% of the target's picks.
-DRAFT_VOCAB = 2048
+DRAFT_VOCAB = 2048  # Medusa's truncated head
+EAGLE3_VOCAB = 4096  # EAGLE-3's draft vocabulary: 96% of the target's greedy picks on held-out windows
 EAGLE3_LAYERS = (1, 3, 5)  # low, middle, high: the residual stream entering these target layers
 TTT_STEPS = 3  # EAGLE-3 training-time-test depth
 MEDUSA_HEADS = 5
@@ -213,11 +214,11 @@ class Eagle3Head(nn.Module):
         self.fc = nn.Linear(len(EAGLE3_LAYERS) * c.hidden_size, c.hidden_size, bias=False)
         self.midlayer = Layer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, eagle3=True)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        vocab = frequent_tokens(data, DRAFT_VOCAB)
-        self.lm_head = nn.Linear(c.hidden_size, DRAFT_VOCAB, bias=False)
+        vocab = frequent_tokens(data, EAGLE3_VOCAB)
+        self.lm_head = nn.Linear(c.hidden_size, EAGLE3_VOCAB, bias=False)
         with torch.no_grad():
             self.lm_head.weight.copy_(self.target.lm_head.weight[vocab])
-        self.register_buffer("d2t", vocab - torch.arange(DRAFT_VOCAB))
+        self.register_buffer("d2t", vocab - torch.arange(EAGLE3_VOCAB))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, vocab, True))
         self.register_buffer("vocab", vocab, persistent=False)
 
@@ -248,7 +249,7 @@ class Eagle3Head(nn.Module):
 
     def config(self) -> dict:
         c = self.target.config
-        return head_config(c, ["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
+        return head_config(c, ["LlamaForCausalLMEagle3"], draft_vocab_size=EAGLE3_VOCAB,
                            target_hidden_size=c.hidden_size, norm_before_residual=False,
                            eagle_config={"eagle_aux_hidden_state_layer_ids": list(EAGLE3_LAYERS),
                                          "use_aux_hidden_state": True})
