@@ -45,8 +45,8 @@ PROMPTS = [
     "class Stack:",
 ]
 # Mean acceptance length at K = 3 on PROMPTS (64 tokens each, greedy), measured on the CPU (float32)
-# with the shipped heads (trained on an H200, docs/default_models.md): eagle 2.61, eagle3 2.73,
-# medusa 1.39. The heads they replaced (a short CPU run) reached 1.18, 1.44 and 1.12; a head that
+# with the shipped heads (trained on an H200, docs/default_models.md): eagle 2.61, eagle3 2.76
+# (2.73 with its 2048-token predecessor), medusa 1.39. The heads they replaced (a short CPU run) reached 1.18, 1.44 and 1.12; a head that
 # lost its layout (wrong tapped layers, a transposed or shuffled weight) drafts noise: ~1.00. The
 # floors sit below the measured values and above both.
 FLOORS = {"eagle": 2.3, "eagle3": 2.4, "medusa": 1.25}
@@ -66,7 +66,7 @@ def test_heads_are_package_data_within_budget() -> None:
             for key in f.keys():
                 want = {"d2t": "I64", "t2d": "BOOL", "token_map": "I64"}.get(key, "BF16")
                 assert f.get_slice(key).get_dtype() == want, key
-    assert total < 8e6
+    assert total < 9e6
 
 
 def prompt_ids() -> list[list[int]]:
