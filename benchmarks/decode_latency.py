@@ -30,6 +30,7 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
 
 def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
     from specloop import LLM, SamplingParams
+    from specloop.frontend.engine_builder import freeze_heap
     from specloop.models.config import read_model_config
 
     device = torch.device(args.device)
@@ -40,6 +41,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
               max_num_seqs=max(sizes), gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner)
     init_s = time.perf_counter() - t0
+    freeze_heap()  # no full collection over the KV blocks inside a timed run
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([rng.integers(0, vocab, args.prompt_len).tolist()], params, use_tqdm=False)  # warm-up
@@ -73,6 +75,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
     del llm
     import gc
 
+    gc.unfreeze()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -70,6 +70,7 @@ class StepRecorder:
 
 def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
     from specloop import LLM, SamplingParams
+    from specloop.frontend.engine_builder import freeze_heap
     from specloop.kernel.plugins import PluginManager
 
     recorder = StepRecorder()
@@ -79,6 +80,7 @@ def run_specloop(path: str, work: list[tuple[list[int], int]], args: argparse.Na
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner)
     init_s = time.perf_counter() - t0
+    freeze_heap()  # no full collection over the KV blocks inside the timed run
     runner = llm.core.runner
     # Warm-up: every kernel variant the run needs (prefill tiles, decode graphs, sampling).
     llm.generate([p for p, _ in work[:8]], SamplingParams(temperature=args.temperature, max_tokens=16,

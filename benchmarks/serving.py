@@ -209,10 +209,12 @@ def offline_throughput(model: str, engine_args: list[str], warmup: list[list[int
                        output_len: int) -> float:
     from specloop import LLM, SamplingParams
     from specloop.cli import build_parser, engine_kwargs
+    from specloop.frontend.engine_builder import freeze_heap
 
     model_args = SCRIPTED if model == "scripted" else [model]
     kwargs = engine_kwargs(build_parser().parse_args(["serve", *model_args, *engine_args]))
     llm = LLM(None if model == "scripted" else model, **kwargs)
+    freeze_heap()  # as the engine process does
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     llm.generate(warmup, params, use_tqdm=False)
     start = time.perf_counter()

@@ -167,6 +167,7 @@ class Engine:
     def __init__(self, args: argparse.Namespace, prompts: list[list[int]], batch_size: int,
                  spec: dict[str, Any] | None, plugin_options: dict[str, Any] | None = None) -> None:
         from specloop import LLM, SamplingParams
+        from specloop.frontend.engine_builder import freeze_heap
 
         self.cuda = args.device.startswith("cuda")
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
@@ -183,6 +184,7 @@ class Engine:
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
         self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
+        freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
         # The first timed run's tokens and counters (greedy: every run is the same).
         self.stats: dict[str, Any] | None = None
@@ -230,6 +232,7 @@ class Engine:
 
     def close(self) -> None:
         del self.llm
+        gc.unfreeze()
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()

@@ -137,6 +137,7 @@ def main() -> None:
     report("structured outputs: configuration", {**env, **vars(args)})
 
     from specloop import LLM, SamplingParams, StructuredOutputsParams
+    from specloop.frontend.engine_builder import freeze_heap
     from specloop.kernel.request import Request
 
     if args.small:
@@ -147,6 +148,7 @@ def main() -> None:
         llm = LLM(path, tokenizer=tokenizer_dir(args.ckpt_root, args.tokenizer_vocab), device=args.device,
                   max_model_len=1024, max_num_seqs=args.batch, gpu_memory_utilization=0.8,
                   async_scheduling=args.async_scheduling)
+    freeze_heap()  # no full collection over the KV blocks inside the timed steps
     core, tok = llm.core, llm.tokenizer
     eos = llm.processor.eos_token_ids
     names = list(SUPPORTED)

@@ -78,7 +78,8 @@ class InputProcessor:
 
     @staticmethod
     def _check_ids(ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not (set(map(type, ids)) <= {int} or  # the fast, usual case
+                                                     all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             raise ValueError("prompt_token_ids must be a list of integers")
         return list(ids)
 
@@ -124,8 +125,8 @@ class InputProcessor:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"Token id {bad[0]} is out of vocabulary: prompt token ids must be in "
                              f"[0, {self.vocab_size}).")
         if n >= self.max_model_len:

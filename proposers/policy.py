@@ -115,6 +115,9 @@ class _Acceptance:
         return total
 
 
+OUTLIER = 4.0  # a measured step counts at most this many times its length's estimate
+
+
 class AdaptivePolicy:
     """The speculation length with the most committed tokens per second, per batch size.
 
@@ -131,6 +134,8 @@ class AdaptivePolicy:
       that overlaps the next, drafting included), decayed by ``decay`` per step measured. A bucket
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
       length both measured; a length between two it has measured (0 and ``K``) is interpolated.
+      A step counts at most ``OUTLIER`` times the estimate it joins: one pause (a garbage
+      collection, the machine busy elsewhere) would otherwise mark its length dear for many steps.
 
     Step times reported during the first ``warmup`` steps (``2 * probe_len``: the first probes of
     ``K`` and 0) are dropped: a fresh engine's first steps carry one-time costs, and one bad
@@ -285,6 +290,8 @@ class AdaptivePolicy:
             return
         kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
                                                                   [0.0, 0.0])
+        if kept[1] > 0:  # a pause inside one step (a garbage collection, another process) is not its length's cost
+            seconds = min(seconds, OUTLIER * kept[0] / kept[1])
         kept[0] = self.decay * kept[0] + seconds
         kept[1] = self.decay * kept[1] + 1
 

@@ -244,3 +244,20 @@ def test_sigterm_closes_stalled_uploads_at_once() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_steps_outputs_cross_the_process_boundary_whole() -> None:
+    """The engine process sends a step's per-request outputs as plain tuples: every field of every
+    output arrives, in order."""
+    import pickle
+
+    from specloop.frontend.engine_process import _pack, _unpack
+    from specloop.kernel.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, TokenLogprobs
+    from specloop.kernel.request import FinishReason
+
+    lp = TokenLogprobs(7, -0.5, 2, [3, 7], [-0.1, -0.5])
+    outs = EngineCoreOutputs([EngineCoreOutput("a", [7, 8], [lp, lp], [None, lp], FinishReason.STOP, "\n", 16, 3, 2, None),
+                              EngineCoreOutput("b", [], error="boom", finish_reason=FinishReason.ERROR)],
+                             SchedulerStats(num_running_reqs=2))
+    got = _unpack(pickle.loads(pickle.dumps(_pack(outs))))
+    assert got == outs and got.outputs[0].finished and got.scheduler_stats.num_running_reqs == 2

@@ -152,6 +152,15 @@ def test_a_length_measured_elsewhere_is_scaled_by_one_measured_in_both():
     assert p.step_times(6)[0] == (pytest.approx(2.0e-3), pytest.approx(sum(0.98 ** i for i in range(20))))
 
 
+def test_one_paused_step_barely_moves_its_lengths_step_time():
+    p = policy(warmup=0)
+    for _ in range(20):
+        p.observe_rate(0, 1, 1, 1.0e-3)
+    p.observe_rate(0, 1, 1, 0.5)  # a half-second collection inside one step
+    seconds, _ = p.step_time(1, 0)
+    assert 1.0e-3 < seconds < 1.25e-3
+
+
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
     (a sampling thread); its rate is reported then, with its own request count, unless it or the
