@@ -3,9 +3,10 @@
 # time limit, logs to $RES/<stage>.log and re-packs $OUT/results.tgz, so a session cut short still
 # returns what finished. Run from the project root on the GPU machine:
 #   OUT=/some/dir SPECLOOP_COMMIT=<hash> benchmarks/h200_suite.sh [stage ...]
-# (OFFLINE_ARGS: more offline_throughput.py flags, e.g. --no-peer; SPEC_ARGS: more spec_decode.py flags for the spec stages, e.g. --batch-invariant or --continuous;
-# SPEC_REPEAT: timed runs of each configuration, 2 by default; SPEC_ROUNDS:
-# at least that many rounds of each batch size in the spec stage)
+# (OFFLINE_ARGS: more offline_throughput.py flags, e.g. --no-peer; SPEC_ARGS: more spec_decode.py
+# flags for the spec stages, e.g. --batch-invariant or --continuous; SPEC_REPEAT: timed runs of each
+# configuration, 2 by default; SPEC_ROUNDS: at least that many rounds of each batch size in the spec
+# stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps)
 # (stages: tests offline decode decode8b prefill breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over

@@ -10,9 +10,10 @@ sockets in a private temporary directory:
     engine -> API   ("ready", (resolved EngineConfig, vocab size)) | ("outputs", (output rows, stats))
                     | ("error", message)
 
-Messages are pickled kernel dataclasses (a step's per-request outputs as plain tuples: pickling
+Messages are pickled kernel dataclasses, a step's per-request outputs as plain tuples (pickling
 slotted dataclasses one by one costs about ten times more, ~0.4 ms a step at 200 requests): both
-ends run the same code, and the sockets are reachable only through the owner's temporary directory. ``EngineProcessClient`` has the interface of
+ends run the same code, and the sockets are reachable only through the owner's temporary
+directory. ``EngineProcessClient`` has the interface of
 :class:`specloop.kernel.engine_core.AsyncEngineCore`, so ``AsyncEngine`` uses either.
 """
 
