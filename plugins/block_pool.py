@@ -10,6 +10,11 @@ and decides what gets cached; this module only keeps the ledger honest:
 
 The free queue is the eviction order: blocks are taken from the head and returned to the tail, so
 the least recently freed cached block is evicted first (LRU).
+
+Blocks are ids, and the ledger is flat arrays (ref counts, the free queue's links) and two dicts
+(cached blocks' hashes): no Python object per block. A large GPU holds millions of blocks; as
+objects they took seconds to build, hundreds of megabytes, and made every full garbage collection
+a pause of about half a second.
 """
 
 from __future__ import annotations
@@ -35,82 +40,74 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Iterable[int],
     return h.digest()
 
 
-class KVBlock:
-    """One physical block. Ref count and hash set by :class:`BlockPool`; links by the free queue."""
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None  # set while the block is a cached full block
-        self.prev_free: KVBlock | None = None
-        self.next_free: KVBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+NOT_FREE = -1  # a block's links while it is out of the free queue
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks between two sentinels.
+    """Doubly linked list of free block ids, over two arrays indexed by block id (and a sentinel at
+    index ``num_blocks`` that closes the ring). A list would make reviving a cached block (removing
+    it from the middle) O(n); the links make ``remove`` O(1), and ``popleft``/``append`` keep the
+    eviction order. Starts holding ``first .. num_blocks - 1`` in order."""
 
-    A list would make reviving a cached block (removing it from the middle) O(n); the links make
-    ``remove`` O(1), and ``popleft``/``append`` keep the eviction order.
-    """
+    def __init__(self, num_blocks: int, first: int = 1) -> None:
+        s = self._sentinel = num_blocks
+        self._next = array("q", range(1, num_blocks + 2))  # i -> i + 1; the last block's next is s
+        self._prev = array("q", range(-1, num_blocks))  # i -> i - 1
+        for i in range(first):
+            self._next[i] = self._prev[i] = NOT_FREE
+        if first < s:
+            self._next[s], self._prev[s], self._prev[first] = first, s - 1, s
+        else:
+            self._next[s] = self._prev[s] = s
+        self.num_free_blocks = s - first if first < s else 0
 
-    def __init__(self, blocks: list[KVBlock]) -> None:
-        self.num_free_blocks = 0
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVBlock:
-        block = self._head.next_free
-        if block is self._tail or block is None:
+    def popleft(self) -> int:
+        block = self._next[self._sentinel]
+        if block == self._sentinel:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
 
-    def remove(self, block: KVBlock) -> None:
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free, nxt.prev_free = nxt, prev
-        block.prev_free = block.next_free = None
+    def remove(self, block: int) -> None:
+        prev, nxt = self._prev[block], self._next[block]
+        if prev == NOT_FREE:
+            raise ValueError(f"block {block} is not in the free queue")
+        self._next[prev], self._prev[nxt] = nxt, prev
+        self._prev[block] = self._next[block] = NOT_FREE
         self.num_free_blocks -= 1
 
-    def append(self, block: KVBlock) -> None:
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free, block.prev_free = block, last
-        block.next_free, self._tail.prev_free = self._tail, block
+    def append(self, block: int) -> None:
+        s = self._sentinel
+        last = self._prev[s]
+        self._next[last], self._prev[block] = block, last
+        self._next[block], self._prev[s] = s, block
         self.num_free_blocks += 1
 
-    def __contains__(self, block: KVBlock) -> bool:
-        return block.prev_free is not None
+    def __contains__(self, block: int) -> bool:
+        return self._prev[block] != NOT_FREE
 
     def block_ids(self) -> list[int]:
         """Head (evicted first) to tail."""
-        out, block = [], self._head.next_free
-        while block is not None and block is not self._tail:
-            out.append(block.block_id)
-            block = block.next_free
+        out, block = [], self._next[self._sentinel]
+        while block != self._sentinel:
+            out.append(block)
+            block = self._next[block]
         return out
 
 
 class BlockPool:
     """``num_blocks`` physical blocks, of which ``num_blocks - 1`` are usable (block 0 is null)."""
 
+    null_block = 0
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached: dict[BlockHash, KVBlock] = {}
+        self.ref_cnts = array("i", bytes(4 * num_blocks))  # how many requests hold each block
+        self.free_queue = FreeBlockQueue(num_blocks)
+        self.hashes: dict[int, BlockHash] = {}  # block id -> hash, while it is a cached full block
+        self.cached: dict[BlockHash, int] = {}  # hash -> block id
 
     @property
     def num_usable_blocks(self) -> int:
@@ -124,54 +121,58 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.cached.get(block_hash)
 
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
+    def get_new_blocks(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue, evicting their cached prefixes."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            self._evict(block)
-            block.ref_cnt = 1
+            if self.hashes:
+                self._evict(block)
+            self.ref_cnts[block] = 1
             out.append(block)
         return out
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
+    def touch(self, blocks: Iterable[int]) -> None:
         """Take a reference on cached blocks found by a prefix hit (reviving free ones)."""
         for block in blocks:
-            if block.ref_cnt == 0:
+            if self.ref_cnts[block] == 0:
                 self.free_queue.remove(block)
-            block.ref_cnt += 1
+            self.ref_cnts[block] += 1
 
-    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
+    def free_blocks(self, ordered: Iterable[int]) -> None:
         """Drop one reference from each block; those reaching 0 join the tail in the given order."""
         for block in ordered:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
-                raise AssertionError(f"block {block.block_id} freed more often than taken")
-            if block.ref_cnt == 0:
+            n = self.ref_cnts[block] - 1
+            if n < 0:
+                raise AssertionError(f"block {block} freed more often than taken")
+            self.ref_cnts[block] = n
+            if n == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: int, block_hash: BlockHash) -> None:
         """Publish a full block under its hash. When another block already holds the same content,
         the first one stays the cached copy and this one is left private."""
-        if block.block_hash is not None or block_hash in self.cached:
+        if block in self.hashes or block_hash in self.cached:
             return
-        block.block_hash = block_hash
+        self.hashes[block] = block_hash
         self.cached[block_hash] = block
+
+    def block_hash(self, block: int) -> BlockHash | None:
+        return self.hashes.get(block)
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_usable_blocks:
             return False
-        for block in self.cached.values():
-            block.block_hash = None
+        self.hashes.clear()
         self.cached.clear()
         return True
 
-    def _evict(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+    def _evict(self, block: int) -> None:
+        block_hash = self.hashes.pop(block, None)
+        if block_hash is not None:
+            del self.cached[block_hash]

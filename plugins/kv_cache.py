@@ -13,7 +13,7 @@ from specloop.kernel.config import EngineConfig, SpeculativeConfig
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.request import Request
 
-from .block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from .block_pool import BlockHash, BlockPool, hash_block_tokens
 
 
 def cdiv(a: int, b: int) -> int:
@@ -34,7 +34,7 @@ class PagedKVCache:
         spec = config.speculative_config
         self._recompute_last_hit_block = isinstance(spec, SpeculativeConfig) and spec.reads_target_hidden_states
         self.pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_blocks: dict[str, list[int]] = {}  # block ids
         # How many leading blocks of each request are already published in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
         self._queries = 0
@@ -51,7 +51,7 @@ class PagedKVCache:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
-            hit.append(block.block_id)
+            hit.append(block)
         if hit and self._recompute_last_hit_block:  # see SpeculativeConfig.reads_target_hidden_states
             hit.pop()
         return hit, len(hit) * self.block_size
@@ -74,12 +74,13 @@ class PagedKVCache:
             num_needed = min(num_needed, self.max_model_len)
         if table is not None and not new_computed_blocks and num_needed <= len(table) * self.block_size:
             return []  # the common decode step: its slots are in blocks it holds already
-        hits = [self.pool.blocks[i] for i in new_computed_blocks or ()]
+        hits = new_computed_blocks or []
         if table is None:
             table = []
         num_new_blocks = max(cdiv(num_needed, self.block_size) - len(table) - len(hits), 0)
         # Hits that sit in the free queue stop being allocatable once touched.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        ref_cnts = self.pool.ref_cnts
+        num_revived = sum(1 for b in hits if ref_cnts[b] == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return None
 
@@ -92,7 +93,7 @@ class PagedKVCache:
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         table.extend(hits)
         table.extend(new_blocks)
-        return [b.block_id for b in (*hits, *new_blocks)]
+        return [*hits, *new_blocks]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks among its first ``num_computed_tokens`` positions.
@@ -115,7 +116,7 @@ class PagedKVCache:
         self.pool.free_blocks(reversed(table))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        return list(self.req_to_blocks.get(request_id, ()))
 
     @property
     def usage(self) -> float:

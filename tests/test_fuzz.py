@@ -190,23 +190,23 @@ class Fuzzer:
         for rid, table in kv.req_to_blocks.items():
             if rid not in sched.requests or sched.requests[rid].status != RequestStatus.RUNNING:
                 v.append(f"blocks held by {rid}, which is not running")
-            for block in table:
-                holders[block.block_id] += 1
+            holders.update(table)
         free_ids = pool.free_queue.block_ids()
         if len(set(free_ids)) != len(free_ids) or 0 in free_ids:
             v.append("free queue has duplicates or the null block")
-        used = [b for b in pool.blocks[1:] if b.ref_cnt > 0]
+        used = [b for b in range(1, pool.num_blocks) if pool.ref_cnts[b] > 0]
         if len(free_ids) + len(used) != pool.num_usable_blocks or pool.num_free_blocks != len(free_ids):
             v.append(f"free {len(free_ids)} + used {len(used)} != {pool.num_usable_blocks}")
-        for block in pool.blocks[1:]:
-            if block.ref_cnt < 0:
-                v.append(f"block {block.block_id} ref count {block.ref_cnt}")
-            if block.ref_cnt != holders[block.block_id]:
-                v.append(f"block {block.block_id} ref count {block.ref_cnt} but held by {holders[block.block_id]}")
-            if (block.ref_cnt == 0) != (block in pool.free_queue):
-                v.append(f"block {block.block_id} free-queue membership disagrees with ref count")
-            if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
-                v.append(f"block {block.block_id} hash not in the cache map")
+        for block in range(1, pool.num_blocks):
+            ref_cnt, block_hash = pool.ref_cnts[block], pool.block_hash(block)
+            if ref_cnt < 0:
+                v.append(f"block {block} ref count {ref_cnt}")
+            if ref_cnt != holders[block]:
+                v.append(f"block {block} ref count {ref_cnt} but held by {holders[block]}")
+            if (ref_cnt == 0) != (block in pool.free_queue):
+                v.append(f"block {block} free-queue membership disagrees with ref count")
+            if block_hash is not None and pool.cached.get(block_hash) != block:
+                v.append(f"block {block} hash not in the cache map")
         if not self.case.caching and pool.cached:
             v.append("a non-caching policy cached blocks")
         for rid, table in kv.req_to_blocks.items():
@@ -214,14 +214,14 @@ class Fuzzer:
             if request is None:
                 continue
             for i, block in enumerate(table):
-                shared = holders[block.block_id] > 1
+                shared, block_hash = holders[block] > 1, pool.block_hash(block)
                 full = (i + 1) * self.case.block_size <= request.num_tokens
-                if shared and (block.block_hash is None or not full):
-                    v.append(f"block {block.block_id} shared but not a hashed full block of {rid}")
+                if shared and (block_hash is None or not full):
+                    v.append(f"block {block} shared but not a hashed full block of {rid}")
                 # Drafts never hashed: a cached block of the request is exactly its committed content.
-                if block.block_hash is not None and (i >= len(request.block_hashes)
-                                                     or request.block_hashes[i] != block.block_hash):
-                    v.append(f"block {block.block_id} of {rid} cached under a hash of other content")
+                if block_hash is not None and (i >= len(request.block_hashes)
+                                               or request.block_hashes[i] != block_hash):
+                    v.append(f"block {block} of {rid} cached under a hash of other content")
         running, waiting = sched.running, list(sched.waiting)
         if len({id(r) for r in running + waiting}) != len(running) + len(waiting):
             v.append("a request is in two queues (or twice in one)")
@@ -298,6 +298,6 @@ def test_fuzz_checker_catches_a_leak(scheduler):
         if fuzzer.kv.req_to_blocks:
             break
     table = next(iter(fuzzer.kv.req_to_blocks.values()))
-    table[0].ref_cnt += 1
+    fuzzer.kv.pool.ref_cnts[table[0]] += 1
     fuzzer.check_state()
     assert any("ref count" in m for m in fuzzer.violations)

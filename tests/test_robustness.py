@@ -69,16 +69,16 @@ def ledger_violations(core: Any) -> list[str]:
     for rid, table in kv.req_to_blocks.items():
         if rid not in sched.requests:
             problems.append(f"{rid} holds blocks but is not a live request")
-        holders.update(b.block_id for b in table)
-    for block in pool.blocks[1:]:
-        if block.ref_cnt != holders[block.block_id]:
-            problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders[block.block_id]}")
-        if (block.ref_cnt == 0) != (block in pool.free_queue):
-            problems.append(f"block {block.block_id}: ref_cnt {block.ref_cnt} but in free queue: "
-                            f"{block in pool.free_queue}")
-        if holders[block.block_id] > 1 and block.block_hash is None:
-            problems.append(f"block {block.block_id} is shared but not a cached full block")
-    if pool.null_block.ref_cnt != 0 or holders[0]:
+        holders.update(table)
+    for block in range(1, pool.num_blocks):
+        ref_cnt = pool.ref_cnts[block]
+        if ref_cnt != holders[block]:
+            problems.append(f"block {block}: ref_cnt {ref_cnt}, held by {holders[block]}")
+        if (ref_cnt == 0) != (block in pool.free_queue):
+            problems.append(f"block {block}: ref_cnt {ref_cnt} but in free queue: {block in pool.free_queue}")
+        if holders[block] > 1 and pool.block_hash(block) is None:
+            problems.append(f"block {block} is shared but not a cached full block")
+    if pool.ref_cnts[pool.null_block] != 0 or holders[0]:
         problems.append("the null block was handed out")
     running, waiting = set(map(id, sched.running)), set(map(id, sched.waiting))
     if running & waiting:
@@ -143,7 +143,7 @@ def assert_idle_and_clean(engine: AsyncEngine) -> None:
     assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
     assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks - 1, "KV blocks leaked"
     assert not core.kv_cache.req_to_blocks
-    assert all(b.ref_cnt == 0 for b in core.kv_cache.pool.blocks)
+    assert not any(core.kv_cache.pool.ref_cnts)
     assert ledger_violations(core) == []
     assert not engine.async_core._queues and not engine._states and not core.requests
 
