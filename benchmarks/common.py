@@ -44,6 +44,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                              intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
                              num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
                              rope_theta=5e5, rms_norm_eps=1e-5, max_position_embeddings=8192),
+    # The separate draft model one would pair with llama3-8b (Llama 3.2 1B's shape).
+    "llama3.2-1b": dict(config_class="LlamaConfig", architecture="LlamaForCausalLM", hidden_size=2048,
+                        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, vocab_size=128256, tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5,
+                        max_position_embeddings=8192),
     "qwen3-0.6b-1layer": dict(config_class="Qwen3Config", architecture="Qwen3ForCausalLM", hidden_size=1024,
                               intermediate_size=3072, num_hidden_layers=1, num_attention_heads=16,
                               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -195,6 +200,47 @@ def build_checkpoint(shape: str, root: str, device: torch.device, seed: int = 0)
             json.dump({**saved, "num_nextn_predict_layers": mtp_layers}, f, indent=2)
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def build_eagle3_head(shape: str, root: str, device: torch.device, draft_vocab: int = 32000, seed: int = 1) -> str:
+    """A random bf16 EAGLE-3 head for the Llama/Qwen ``shape`` under ``root/<shape>-eagle3`` (reused
+    when there), in the public layout (``proposers/heads.py``): ``fc`` over three target layers'
+    states, one ``midlayer`` reading [embedding ; hidden], ``norm``, ``lm_head`` over the first
+    ``draft_vocab`` target ids (``d2t`` zero)."""
+    from safetensors.torch import save_file
+
+    path = os.path.join(root, f"{shape}-eagle3")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    s = SHAPES[shape]
+    h, inter, heads, kv_heads, dim = (s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
+                                      s["num_key_value_heads"], s["head_dim"])
+    layers, draft_vocab = s["num_hidden_layers"], min(draft_vocab, s["vocab_size"])
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": dim, "hidden_act": "silu",
+              "rms_norm_eps": s["rms_norm_eps"], "rope_theta": s["rope_theta"],
+              "max_position_embeddings": s["max_position_embeddings"], "vocab_size": s["vocab_size"],
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "draft_vocab_size": draft_vocab,
+              "target_hidden_size": h,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(2, layers), layers // 2, max(layers - 3, 0)]}}
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (heads * dim, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv_heads * dim, 2 * h),
+              "midlayer.self_attn.v_proj.weight": (kv_heads * dim, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, heads * dim), "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
+              "lm_head.weight": (draft_vocab, h)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {name: torch.empty(shape_, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen)
+               for name, shape_ in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[norm + ".weight"] = torch.ones(h, dtype=torch.bfloat16, device=device)
+    tensors["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64, device=device)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

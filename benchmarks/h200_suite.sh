@@ -6,7 +6,8 @@
 # (OFFLINE_ARGS: more offline_throughput.py flags, e.g. --no-peer; SPEC_ARGS: more spec_decode.py
 # flags for the spec stages, e.g. --batch-invariant or --continuous; SPEC_REPEAT: timed runs of each
 # configuration, 2 by default; SPEC_ROUNDS: at least that many rounds of each batch size in the spec
-# stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps)
+# stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
+# STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b)
 # (stages: tests offline decode decode8b prefill breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
@@ -81,10 +82,11 @@ for s in $stages; do
       stage spec_adaptive "${T_SPEC_ADAPTIVE:-200}" python3 benchmarks/spec_decode.py --out "$RES/spec_adaptive" \
              --device cuda --batch-sizes "${SPEC_BATCHES:-1,32}" --ks 3 --methods "${SPEC_METHODS:-ngram,draft_model,eagle,eagle3,medusa}" --policy adaptive \
              --repeat "${SPEC_REPEAT:-2}" --min-rounds "${SPEC_ROUNDS:-1}" ${SPEC_ARGS:-} ;;
-    spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram and a one-layer (EAGLE-cost) draft
-      stage spec_controlled_8b "${T_SPEC8B:-330}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \
-             --device cuda --ckpt-root "$CKPT" --model llama3-8b --draft-model llama3-8b-1layer --prompts random \
-             --alpha 0.8 --ks 3 --batch-sizes 1 --methods ngram,draft_model --prompt-len 128 --output-len 128 \
+    spec8b)  # acceptance-controlled on llama3-8b: alpha 0.8, K 3, ngram, a random EAGLE-3 head, a 1B draft model
+      stage spec_controlled_8b "${T_SPEC8B:-420}" python3 benchmarks/spec_decode.py --out "$RES/spec8b" \
+             --device cuda --ckpt-root "$CKPT" --model llama3-8b --draft-model llama3.2-1b --prompts random \
+             --alpha 0.8 --ks "${SPEC_KS:-3}" --batch-sizes 1 --methods "${SPEC_METHODS:-ngram,eagle3,draft_model}" \
+             --prompt-len 128 --output-len 128 \
              --min-prompts 2 --repeat 2 ${SPEC_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
@@ -96,7 +98,7 @@ for s in $stages; do
       stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \
              --ckpt-root "$CKPT" --shape deepseek-v2-lite --peer-time-limit "${PEER_S:-40}" ;;
     structured) stage structured_outputs "${T_STRUCTURED:-240}" python3 benchmarks/structured_outputs.py --out "$RES" \
-             --ckpt-root "$CKPT" --batch 64 ;;
+             --ckpt-root "$CKPT" --batch 64 ${STRUCTURED_ARGS:-} ;;
   esac
 done
 echo "=== done $(date +%T)"

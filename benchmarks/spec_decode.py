@@ -24,7 +24,8 @@ training (``tools/train_default_models.py``), tokenized with the model's tokeniz
 draws token ids uniformly. The model defaults to the shipped ``specloop-tiny`` and the draft to
 ``specloop-tiny-draft`` (else the target itself, an upper bound on acceptance); a head method
 (``eagle``, ``eagle3``, ``medusa``, any other registered one) reads ``<model>-<method>`` next to the
-target, or ``--head METHOD=DIR``. ``--methods`` defaults to every built-in proposer (and ``mtp``
+target, or ``--head METHOD=DIR``; on a shape (random weights) ``eagle3`` gets a random head of the
+shape's width (``common.build_eagle3_head``). ``--methods`` defaults to every built-in proposer (and ``mtp``
 when one is registered); a method whose engine cannot be built for this target is reported and
 skipped.
 
@@ -43,7 +44,7 @@ engines of a comparison are alive at once, so each gets ``--gpu-memory-utilizati
     python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
     python benchmarks/spec_decode.py --model out/checkpoints/tiny --prompts random --device cpu
     python benchmarks/spec_decode.py --model llama3-8b --prompts random --alpha 0.8 --ks 3 --batch-sizes 1 \
-        --methods ngram,draft_model --draft-model llama3-8b-1layer
+        --methods ngram,eagle3,draft_model --draft-model llama3.2-1b
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, base_args, build_checkpoint, environment, report, save  # noqa: E402
+from common import ROOT, base_args, build_checkpoint, build_eagle3_head, environment, report, save  # noqa: E402
 
 
 def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
@@ -311,6 +312,8 @@ def main() -> None:
     from common import SHAPES
 
     if args.model in SHAPES:
+        if "eagle3" in args.methods and "eagle3" not in heads:  # a random head of the shape's width
+            heads["eagle3"] = build_eagle3_head(args.model, args.ckpt_root, device)
         args.model = build_checkpoint(args.model, args.ckpt_root, device)
     if not os.path.isdir(args.model):
         raise SystemExit(f"no model at {args.model}; pass --model DIR or a shape ({', '.join(SHAPES)})")
