@@ -96,6 +96,34 @@ def test_structured_outputs_with_async_scheduling_match_synchronous_torch_runner
     rc.check_structured_async_matches_sync("cuda", "float32", max_tokens=48)
 
 
+def test_grammar_masks_reach_the_device_without_waiting_for_it() -> None:
+    """The fast sampler stages a step's grammar masks and their rows with no synchronising copy
+    (the host fills them while the step's forward still runs on the device: a blocking copy would
+    idle the host until it ends), and masks exactly the rows the torch reference masks."""
+    from types import SimpleNamespace
+
+    from specloop.backends.gpu.fast_sampling import FastSamplingStage
+    from specloop.backends.sampling_stage import SamplingStage
+    from specloop.sampling.structured_outputs import GrammarBitmask, apply_token_bitmask_torch, num_words
+
+    vocab, dev = 1000, torch.device("cuda")
+    stage = FastSamplingStage(SamplingStage(torch.nn.Identity(), vocab, dev), SimpleNamespace(device=dev), 64)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=g)
+    masks = torch.randint(-2**31, 2**31 - 1, (4, num_words(vocab)), dtype=torch.int32, generator=g)
+    batch = SimpleNamespace(req_ids=["a", "b", "c"], sample_rows=[(0, 1), (1, 2), (3, 3)])
+    got = logits.to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stage._apply_grammar(batch, got, GrammarBitmask(["a", "c"], [1, 3], masks.numpy()))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = logits.clone()
+    apply_token_bitmask_torch(want, masks, torch.tensor([0, 3, 4, 5]))
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     """Through the whole engine: 24 prompts, a shared prefix (prefix-cache hits), a small token
