@@ -53,3 +53,14 @@ def test_timeline_file_loads_and_covers_steps_and_requests(tmp_path, monkeypatch
             assert abs(a["ts"] + a["dur"] - b["ts"]) <= 1.0
     instants = [e for e in events if e["ph"] == "i"]
     assert preemptions > 0 and len(instants) == preemptions
+
+
+def test_a_pid_in_the_path_gives_each_process_its_own_file(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv(TRACE_FILE_ENV, str(tmp_path / "trace-{pid}.json"))
+    llm = LLM(max_model_len=64)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.core.shutdown()
+    assert [p.name for p in tmp_path.iterdir()] == [f"trace-{os.getpid()}.json"]
+    assert any(e["ph"] == "X" for e in json.loads((tmp_path / f"trace-{os.getpid()}.json").read_text()))
