@@ -40,6 +40,7 @@ class ForwardOutput:
 
 class EagerExecutor:
     replays_uniform_batches = False
+    SHORT_PROMPTS = (2, 16, 48)  # new tokens per sequence spanning the attention kernel's tile heights
 
     def __init__(self, model: nn.Module, ops: Ops, attn_backend: AttentionBackend,
                  aux_layers: Sequence[int] = ()) -> None:
@@ -64,14 +65,18 @@ class EagerExecutor:
     def profile(self, num_tokens: int, num_logit_rows: int, kv_caches: list[torch.Tensor], block_size: int,
                 device: torch.device) -> None:
         """One forward over ``num_tokens`` tokens of one sequence plus logits and softmax over
-        ``num_logit_rows`` rows, on scratch caches: the largest step's memory, for sizing."""
-        blocks = -(-num_tokens // block_size)
-        meta = AttentionMetadata.build([0, num_tokens], [num_tokens], range(num_tokens), [list(range(blocks))], device)
-        with torch.inference_mode():
-            hidden, _ = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=device),
-                                   torch.arange(num_tokens, device=device), self.context(meta, kv_caches),
-                                   aux_layers=self.aux_layers)
-            self.model.compute_logits(hidden[:num_logit_rows]).float().softmax(-1)
+        ``num_logit_rows`` rows, on scratch caches: the largest step's memory, for sizing. Then
+        short prompts of one sequence, which take other attention tiles than the largest step: each
+        tile is a kernel compile of its own (most of a second on a GPU), paid here rather than in
+        the first short request's step."""
+        for tokens, rows in [(num_tokens, num_logit_rows)] + [(n, 1) for n in self.SHORT_PROMPTS if n < num_tokens]:
+            blocks = -(-tokens // block_size)
+            meta = AttentionMetadata.build([0, tokens], [tokens], range(tokens), [list(range(blocks))], device)
+            with torch.inference_mode():
+                hidden, _ = self.model(torch.zeros(tokens, dtype=torch.int64, device=device),
+                                       torch.arange(tokens, device=device), self.context(meta, kv_caches),
+                                       aux_layers=self.aux_layers)
+                self.model.compute_logits(hidden[:rows]).float().softmax(-1)
 
     def release(self) -> None:
         self.kv_caches = []

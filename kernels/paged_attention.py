@@ -243,6 +243,11 @@ def paged_attention(
     if invariant and num_splits != 1:
         raise ValueError(f"invariant attention runs one split, got num_splits={num_splits}")
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
+    if num_splits > 1 and num_q_blocks >= 2 * num_seqs:
+        # The splits were sized for one program per sequence along the queries (decode); a
+        # prefill-heavy step has many already, so it needs fewer, usually none (and every split
+        # count is a kernel compile of its own: a first prompt arriving alone would pay one).
+        num_splits = 1 << int(math.log2(max(1, num_splits * num_seqs // num_q_blocks)))
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
                                device=q.device)

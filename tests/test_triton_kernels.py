@@ -63,3 +63,34 @@ def test_batch_invariant_mode_under_interpreter() -> None:
     # alone, among others and verifying drafts (the same run without the mode differs in the last
     # bits of its logprobs here). On CUDA in bf16: test_gpu_backend.py.
     _run("qwen3,llama", "float16", script=CHECKS.with_name("batch_invariance_checks.py"), expect="ok batch_invariance")
+
+
+def test_a_prompt_arriving_alone_runs_the_unsplit_prefill_kernel(monkeypatch) -> None:
+    """Flash-decoding splits are sized for one program per sequence along the queries. A
+    prefill-heavy step has many programs already: a 1,024-token prompt alone must not run 8 splits
+    (every split count is a kernel compile of its own, most of a second on the GPU, and the
+    partial sums are extra work), while a short verification or a decode after a long context
+    keeps its splits. Launches are recorded, not run."""
+    import kernel_checks as kc
+    import torch
+
+    import specloop.kernels.paged_attention as attention
+
+    launched: list[tuple[str, int]] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object):
+            return lambda *args, **kwargs: launched.append((self.name, kwargs["NUM_SPLITS"]))
+
+    monkeypatch.setattr(attention, "_paged_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(attention, "_reduce_splits_kernel", Recorder("reduce"))
+    for q_len, context, want in ((1024, 0, [("attention", 1)]),
+                                 (4, 2000, [("attention", 8), ("reduce", 8)]),
+                                 (1, 2000, [("attention", 8), ("reduce", 8)])):
+        launched.clear()
+        q, kc_, vc, qsl, seq_lens, bt = kc._ragged_batch([q_len], [context], 16, 8, 128, 16, "cpu", torch.bfloat16)
+        attention.paged_attention(q, kc_, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=q_len, num_splits=8)
+        assert launched == want, (q_len, context, launched)
