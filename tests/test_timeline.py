@@ -64,3 +64,23 @@ def test_a_pid_in_the_path_gives_each_process_its_own_file(tmp_path, monkeypatch
     llm.core.shutdown()
     assert [p.name for p in tmp_path.iterdir()] == [f"trace-{os.getpid()}.json"]
     assert any(e["ph"] == "X" for e in json.loads((tmp_path / f"trace-{os.getpid()}.json").read_text()))
+
+
+def test_the_summary_script_reads_a_trace(tmp_path, monkeypatch):
+    """``benchmarks/timeline_summary.py`` on a CPU engine's trace: host phases per step of one run
+    (a CPU trace has no device track)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv(TRACE_FILE_ENV, str(path))
+    llm = LLM(max_model_len=64)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    steps = llm.get_metrics()["num_steps"]
+    llm.core.shutdown()
+    script = Path(__file__).parents[1] / "benchmarks" / "timeline_summary.py"
+    out = subprocess.run([sys.executable, str(script), str(path), "--gap-ms", "1000"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "1 run(s)" in out and "schedule ms per step" in out and "execute ms per step" in out
+    assert f"steps {steps}" in " ".join(out.split()), out
