@@ -46,7 +46,8 @@ def reference_mla(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
 MLA_CASES = [
     (4, 32, 16, 16, [1, 5, 1, 20], [40, 0, 70, 3], 1),  # decode + prefill + chunk after a prefix
     (4, 32, 16, 16, [1, 1, 1], [100, 7, 300], 4),  # split-K decoding, one split past a short context
-    (3, 24, 8, 8, [3, 1, 17], [10, 0, 33], 2),  # padded heads, rank and rope dim
+    (3, 24, 8, 8, [3, 1, 17], [10, 0, 33], 2),  # padded heads, rank and rope dim (prefill-heavy: no split)
+    (3, 24, 8, 8, [3, 1, 5], [10, 0, 33], 2),  # the same, few enough q-blocks to keep the splits
     (20, 16, 16, 4, [4, 4], [9, 0], 1),  # two head blocks; verification shape
 ]
 

@@ -94,3 +94,17 @@ def test_a_prompt_arriving_alone_runs_the_unsplit_prefill_kernel(monkeypatch) ->
         q, kc_, vc, qsl, seq_lens, bt = kc._ragged_batch([q_len], [context], 16, 8, 128, 16, "cpu", torch.bfloat16)
         attention.paged_attention(q, kc_, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=q_len, num_splits=8)
         assert launched == want, (q_len, context, launched)
+
+    # The latent (MLA) kernel sizes its splits the same way.
+    import specloop.kernels.mla_attention as mla
+
+    monkeypatch.setattr(mla, "_mla_attention_kernel", Recorder("attention"))
+    monkeypatch.setattr(mla, "_reduce_splits_kernel", Recorder("reduce"))
+    for q_len, context, want in ((1024, 0, [("attention", 1)]), (1, 2000, [("attention", 8), ("reduce", 8)])):
+        launched.clear()
+        _, _, _, qsl, seq_lens, bt = kc._ragged_batch([q_len], [context], 1, 1, 8, 16, "cpu", torch.bfloat16)
+        latent = torch.randn(int(bt.max()) + 1, 16, 80, dtype=torch.bfloat16)
+        q_nope = torch.randn(q_len, 16, 64, dtype=torch.bfloat16)
+        q_rope = torch.randn(q_len, 16, 16, dtype=torch.bfloat16)
+        mla.mla_attention(q_nope, q_rope, latent, qsl, seq_lens, bt, scale=0.1, max_query_len=q_len, num_splits=8)
+        assert launched == want, ("mla", q_len, context, launched)
