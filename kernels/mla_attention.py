@@ -165,7 +165,7 @@ def mla_attention(
     rank_pad, rope_pad = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope))
     decode = max_query_len == 1
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
-    num_splits = prefill_splits(num_splits, num_seqs, num_q_blocks)
+    num_splits = prefill_splits(num_splits, num_seqs, num_tokens, block_q)
     if num_splits > 1:
         parts = num_tokens * num_heads * num_splits
         part_acc = torch.empty(parts * rank_pad, dtype=torch.float32, device=q_nope.device)

@@ -176,14 +176,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(32, 1 << int(math.log2(max(want, 1)))))
 
 
-def prefill_splits(num_splits: int, num_seqs: int, num_q_blocks: int) -> int:
-    """The split count for a step of ``num_q_blocks`` programs along the queries, given one sized
-    for one program per sequence (decode): a prefill-heavy step (at least two q-blocks a sequence)
-    has many programs already, so it gets fewer splits, usually none. Every split count is a kernel
-    compile of its own, so this also keeps prompts on the variant every prefill runs: a prompt
-    arriving alone would otherwise compile one mid-serving."""
-    if num_splits > 1 and num_q_blocks >= 2 * num_seqs:
-        return 1 << int(math.log2(max(1, num_splits * num_seqs // num_q_blocks)))
+def prefill_splits(num_splits: int, num_seqs: int, num_tokens: int, block_q: int) -> int:
+    """The split count for a step of ``num_tokens`` queries in tiles of ``block_q``, given one sized
+    for one program per sequence along the queries (decode): a step with at least two query tiles
+    a sequence has that many more programs already, so it gets proportionally fewer splits, and a
+    prompt none. Every split count is a kernel compile of its own, so this also keeps prompts on
+    the variant every prefill runs: a prompt arriving alone would otherwise compile one
+    mid-serving."""
+    q_tiles = -(-num_tokens // block_q)
+    if num_splits > 1 and q_tiles >= 2 * num_seqs:
+        return 1 << int(math.log2(max(1, num_splits * num_seqs // q_tiles)))
     return num_splits
 
 
@@ -254,7 +256,7 @@ def paged_attention(
     if invariant and num_splits != 1:
         raise ValueError(f"invariant attention runs one split, got num_splits={num_splits}")
     num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
-    num_splits = prefill_splits(num_splits, num_seqs, num_q_blocks)
+    num_splits = prefill_splits(num_splits, num_seqs, num_tokens, block_q)
     if num_splits > 1:
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
                                device=q.device)
