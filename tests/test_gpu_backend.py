@@ -124,6 +124,27 @@ def test_grammar_masks_reach_the_device_without_waiting_for_it() -> None:
     assert torch.equal(got.cpu(), want)
 
 
+def test_admitted_requests_reach_the_device_without_waiting_for_it() -> None:
+    """A step that admits requests sends their tokens, block tables and sampling parameters with no
+    synchronising copy (under asynchronous scheduling the previous step's forward is still running),
+    and they land where the batch reads them."""
+    from specloop.backends.gpu.persistent_batch import PersistentBatch
+
+    pb = PersistentBatch(max_reqs=4, max_len=64, block_size=16, max_tokens=64, device=torch.device("cuda"))
+    pb._token_writes.append((2, 0, [7, 8, 9]))
+    pb._block_writes.append((2, 0, [5, 6]))
+    pb._param_writes.append((2, 0.5, 0.1, 1234))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pb.flush_writes()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pb.tokens[2, :3].tolist() == [7, 8, 9] and pb.block_table[2, :2].tolist() == [5, 6]
+    assert (pb.temperature[2].item(), pb.seeds[2].item()) == (0.5, 1234)
+    assert abs(pb.min_p[2].item() - 0.1) < 1e-7
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_outputs_match_torch_backend(dtype: str) -> None:
     """Through the whole engine: 24 prompts, a shared prefix (prefix-cache hits), a small token

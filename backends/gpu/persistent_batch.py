@@ -144,17 +144,25 @@ class PersistentBatch:
             vals = np.fromiter(chain.from_iterable(v for _, _, v in writes), dtype=np.int32, count=total)
             if cols.size and int(cols.max()) >= target.shape[1]:
                 raise ValueError(f"a request outgrew the device batch ({int(cols.max()) + 1} > {target.shape[1]})")
-            flat = torch.from_numpy(rows * target.shape[1] + cols).to(self.device, non_blocking=True)
-            target.view(-1).index_copy_(0, flat, torch.from_numpy(vals).to(self.device, non_blocking=True))
+            flat = self._send(rows * target.shape[1] + cols, torch.int64)
+            target.view(-1).index_copy_(0, flat, self._send(vals, torch.int32))
             writes.clear()
         if self._param_writes:
             slots, temps, min_ps, seeds = zip(*self._param_writes)
-            index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.temperature.index_copy_(0, index, torch.tensor(temps, dtype=torch.float32).to(self.device))
-            self.min_p.index_copy_(0, index, torch.tensor(min_ps, dtype=torch.float32).to(self.device))
-            self.seeds.index_copy_(0, index, torch.tensor(seeds,
-                                                          dtype=torch.int64).to(self.device))
+            index = self._send(slots, torch.int64)
+            self.temperature.index_copy_(0, index, self._send(temps, torch.float32))
+            self.min_p.index_copy_(0, index, self._send(min_ps, torch.float32))
+            self.seeds.index_copy_(0, index, self._send(seeds, torch.int64))
             self._param_writes.clear()
+
+    def _send(self, values, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Host values on the device, through pinned memory and without blocking: under
+        asynchronous scheduling the previous step's forward is still running, and a blocking copy
+        would hold the host until it ends."""
+        host = torch.as_tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # --- one step -------------------------------------------------------------------------------
 
