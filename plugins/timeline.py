@@ -13,9 +13,10 @@ file holds, in microseconds of ``time.perf_counter()``:
 * process "requests", one track per request: ``queued`` (arrival to first scheduled), ``prefill``
   (to its first token) and ``decode`` (to its end), and an instant event per preemption.
 
-A ``{pid}`` in the path becomes the process id, so that the engines of several processes (a server's
-engine process beside an in-process run) write files of their own. Events are appended as they happen (the JSON array is closed at shutdown; trace viewers also read
-an unclosed one), so a server's timeline can be opened while it runs.
+A ``{pid}`` in the path becomes the process id, so that the engines of several processes (a
+server's engine process beside an in-process run) write files of their own. Events are appended as
+they happen (the JSON array is closed at shutdown; trace viewers also read an unclosed one), so a
+server's timeline can be opened while it runs.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ class Timeline:
     """One engine's trace file."""
 
     def __init__(self, path: str) -> None:
-        # "{pid}" in the path: one file per process (a server's engine process, each engine of a
-        # benchmark that runs one in process too).
-        self.path = path = path.replace("{pid}", str(os.getpid()))
+        self.path = path = path.replace("{pid}", str(os.getpid()))  # one file per process
         self._file: IO[str] | None = open(path, "w", encoding="utf-8")
         self._file.write("[\n")
         self._first = True

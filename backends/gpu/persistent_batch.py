@@ -16,6 +16,7 @@ the live values; rows past the live batch are padding a graph may read (no owner
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -155,7 +156,7 @@ class PersistentBatch:
             self.seeds.index_copy_(0, index, self._send(seeds, torch.int64))
             self._param_writes.clear()
 
-    def _send(self, values, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _send(self, values: Sequence[float] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host values on the device, through pinned memory and without blocking: under
         asynchronous scheduling the previous step's forward is still running, and a blocking copy
         would hold the host until it ends."""
