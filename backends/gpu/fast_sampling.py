@@ -28,7 +28,7 @@ from specloop.sampling.structured_outputs import GrammarBitmask, apply_token_bit
 from ..batch import InputBatch
 from ..requests import CachedRequestState
 from ..sampling_stage import SampleResult, SamplingStage
-from .persistent_batch import PersistentBatch
+from .persistent_batch import PersistentBatch, send
 
 
 class FastSamplingStage:
@@ -105,11 +105,7 @@ class FastSamplingStage:
                 raise RuntimeError(f"request {rid!r}: {n} grammar rows for {count} sampled rows")
             rows.extend(range(first, first + count))
         bitmask = self._stage_bitmask(grammar.bitmask)
-        # From pinned memory without blocking: a pageable copy would wait for the forward still
-        # running on the device, and the host would idle through it.
-        pinned = logits.is_cuda
-        indices = torch.tensor(rows, dtype=torch.int64, pin_memory=pinned).to(logits.device, non_blocking=pinned)
-        apply_token_bitmask(logits, bitmask, indices)
+        apply_token_bitmask(logits, bitmask, send(rows, torch.int64, logits.device))
 
     def _stage_bitmask(self, bitmask) -> torch.Tensor:
         """The step's bitmask on the device, copied from a pinned buffer (reused three steps later,

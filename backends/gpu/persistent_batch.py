@@ -31,6 +31,16 @@ from ..requests import CachedRequestState, PlanChanges
 from .triton_attention import GpuAttentionMetadata
 
 
+def send(values: Sequence[float] | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on ``device``, through pinned memory and without blocking: under asynchronous
+    scheduling a forward is still running when a step's inputs are sent, and a copy from pageable
+    memory waits for the stream, so the host would idle until that forward ends."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def plain_sampling(params: SamplingParams) -> bool:
     """Whether the fast sampler (temperature, min-p, seed only) reproduces the reference sampler for
     this request; anything else goes through the full path."""
@@ -145,25 +155,16 @@ class PersistentBatch:
             vals = np.fromiter(chain.from_iterable(v for _, _, v in writes), dtype=np.int32, count=total)
             if cols.size and int(cols.max()) >= target.shape[1]:
                 raise ValueError(f"a request outgrew the device batch ({int(cols.max()) + 1} > {target.shape[1]})")
-            flat = self._send(rows * target.shape[1] + cols, torch.int64)
-            target.view(-1).index_copy_(0, flat, self._send(vals, torch.int32))
+            flat = send(rows * target.shape[1] + cols, torch.int64, self.device)
+            target.view(-1).index_copy_(0, flat, send(vals, torch.int32, self.device))
             writes.clear()
         if self._param_writes:
             slots, temps, min_ps, seeds = zip(*self._param_writes)
-            index = self._send(slots, torch.int64)
-            self.temperature.index_copy_(0, index, self._send(temps, torch.float32))
-            self.min_p.index_copy_(0, index, self._send(min_ps, torch.float32))
-            self.seeds.index_copy_(0, index, self._send(seeds, torch.int64))
+            index = send(slots, torch.int64, self.device)
+            self.temperature.index_copy_(0, index, send(temps, torch.float32, self.device))
+            self.min_p.index_copy_(0, index, send(min_ps, torch.float32, self.device))
+            self.seeds.index_copy_(0, index, send(seeds, torch.int64, self.device))
             self._param_writes.clear()
-
-    def _send(self, values: Sequence[float] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Host values on the device, through pinned memory and without blocking: under
-        asynchronous scheduling the previous step's forward is still running, and a blocking copy
-        would hold the host until it ends."""
-        host = torch.as_tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     # --- one step -------------------------------------------------------------------------------
 
