@@ -17,17 +17,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
-from specloop.proposers.base import DraftProposal, KeepUpInputs, Proposer, ProposerInputs
+from specloop.proposers.base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerInputs, draft_limits
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
 from .requests import PLACEHOLDER, CachedRequestState
+
+# Writes a launched proposal's drafts ``[n, K]`` into the device token rows of the step's first
+# ``n`` requests from the given positions (``PersistentBatch.write_drafts``).
+DraftWriter = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -49,6 +54,15 @@ class StepRecord:
         return not (self.propose or self.drafts)
 
 
+@dataclass(slots=True)
+class DeviceDrafts:
+    """A launched proposal's drafts, left on the device: the host's copy (``[n, K]``), valid once
+    ``copied`` has passed."""
+
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
 class DraftingStage:
     def __init__(self, proposer: Proposer, policy: SpeculationPolicy, config: EngineConfig) -> None:
         # Every rank runs the proposer and asks the policy; their calls must agree step by step.
@@ -67,6 +81,19 @@ class DraftingStage:
         # Per request, its token ids as an array kept across steps (buffer, tokens valid in it):
         # a step appends its few new tokens instead of converting the whole list again.
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}
+        # Launching proposals from the device (``launcher``): where their drafts go, this step's
+        # launch, and per request the launch (and row) its placeholder drafts stand for.
+        self.write_drafts: DraftWriter | None = None
+        self._launched: DeviceDrafts | None = None
+        self._on_device: dict[str, tuple[DeviceDrafts, int]] = {}
+
+    def attach(self, executor: object, builder: object) -> None:
+        """Pad drafts when the executor replays uniform batches; launch proposals from the device
+        when the batch builder keeps token rows there (one rank: every rank would have to launch
+        alike)."""
+        self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
+        if self.config.tensor_parallel_size == 1:
+            self.write_drafts = getattr(builder, "write_drafts", None)
 
     def begin_step(self, plan: SchedulerOutput, inline: bool) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
@@ -106,17 +133,81 @@ class DraftingStage:
         for rid in req_ids:
             self.draft_probs.pop(rid, None)
             self._arrays.pop(rid, None)
+            self._on_device.pop(rid, None)
         if req_ids:
             self.proposer.remove_requests(req_ids)
         if finished:
             self.policy.forget(list(finished))
+
+    def before_sampling(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+                        requests: dict[str, CachedRequestState], grammar: object,
+                        propose: bool) -> Callable[[torch.Tensor], None] | None:
+        """Resolve the drafts the step verifies (:meth:`resolve`); for a step to propose after,
+        the :meth:`launcher` the sampler may call."""
+        self._launched = None
+        self.resolve(batch)
+        return self.launcher(batch, hidden_states, aux_hidden_states, requests, grammar) if propose else None
+
+    def resolve(self, batch: InputBatch) -> None:
+        """Before a step samples: the values of the placeholder drafts it verifies (copied to the
+        host a step ago, while that step's proposal ran)."""
+        if not self._on_device:
+            return
+        specs = batch.spec_token_ids
+        for i, rid in enumerate(batch.req_ids):
+            if specs[i] and specs[i][0] == PLACEHOLDER:
+                launched, row = self._on_device.pop(rid)
+                if launched.copied is not None:
+                    launched.copied.synchronize()
+                specs[i] = launched.host[row, :len(specs[i])].tolist()
+
+    def launcher(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+                 requests: dict[str, CachedRequestState], grammar: object) -> Callable[[torch.Tensor], None] | None:
+        """For a step the stage will propose after: when it is a uniform verification (``q`` rows
+        a request, all sampled) with no structured output (``grammar`` is the step's bitmask), a function the sampler calls with the
+        target's greedy tokens still on the device. It computes each request's accepted rows
+        there, launches the proposer's whole proposal from them (``Proposer.launch``), writes the
+        drafts into the device token rows and starts their copy to the host. ``propose`` then
+        returns placeholders, and :meth:`resolve` their values at the next step."""
+        n = len(batch.req_ids)
+        q = batch.num_tokens // n if n else 0
+        if (self.write_drafts is None or grammar is not None or q < 2 or batch.num_tokens != n * q
+                or any(count != q for _, count in batch.sample_rows)
+                or any(requests[rid].sampling_params.structured_outputs is not None for rid in batch.req_ids)):
+            return None
+
+        def launch(top: torch.Tensor) -> None:
+            targets = top[:n * q].view(n, q)
+            matched = batch.input_ids[:n * q].view(n, q)[:, 1:] == targets[:, :-1]
+            accepted = 1 + matched.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            reqs = [requests[rid] for rid in batch.req_ids]
+            step = LaunchInputs(list(batch.req_ids), q, np.asarray(batch.layout.starts, dtype=np.int64),
+                                [r.block_ids for r in reqs], top[:n * q], accepted, hidden_states[:n * q],
+                                tuple(a[:n * q] for a in aux_hidden_states), [r.token_ids for r in reqs],
+                                [r.num_prompt_tokens for r in reqs], batch.spec_token_ids)
+            drafts = self.proposer.launch(step)
+            if drafts is None:
+                return
+            # Drafts follow the newest token, at position first + accepted.
+            self.write_drafts(batch.positions[:n * q].view(n, q)[:, 0] + accepted + 1, drafts)
+            host = torch.empty(drafts.shape, dtype=torch.int64, pin_memory=drafts.is_cuda)
+            host.copy_(drafts, non_blocking=True)
+            copied = torch.cuda.Event() if drafts.is_cuda else None
+            if copied is not None:
+                copied.record()
+            self._launched = DeviceDrafts(host, copied)
+
+        return launch
 
     def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
                 requests: dict[str, CachedRequestState], step_seconds: float) -> DraftTokenIds | None:
         """``step_seconds``: what the step's forward and sampling took (the policy's cost model)."""
         start = time.perf_counter()
-        drafts = self._propose(plan, batch, hidden_states, aux_hidden_states, sampled, requests)
+        if self._launched is not None:
+            drafts = self._placeholders(plan, batch, sampled, requests)
+        else:
+            drafts = self._propose(plan, batch, hidden_states, aux_hidden_states, sampled, requests)
         verified = [(rid, len(spec), len(out) - 1)
                     for rid, spec, out in zip(batch.req_ids, batch.spec_token_ids, sampled) if spec and out]
         self.policy.observe(StepObservation(batch.num_tokens, step_seconds, time.perf_counter() - start,
@@ -150,14 +241,30 @@ class DraftingStage:
             hidden_states=hidden_states[:n], aux_hidden_states=tuple(a[:n] for a in aux_hidden_states),
             next_token_ids=next_token_ids[:n]))
 
-    def _propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
-                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
-                 requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
-        chunks = self.proposer.runs_on_prefill_chunks
-        idx = [i for i, s in enumerate(sampled) if s or chunks]
+    def _placeholders(self, plan: SchedulerOutput, batch: InputBatch, sampled: list[list[int]],
+                      requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
+        """The launched proposal's drafts as placeholders, as many per request as ``propose``
+        would keep (:func:`draft_limits`, then padding), each standing for its row of the launch."""
+        launched, self._launched = self._launched, None
         self.draft_probs.clear()
-        if not idx:
+        inputs = self._inputs(plan, batch, sampled, requests, list(range(len(batch.req_ids))))
+        k = self.proposer.num_speculative_tokens
+        inputs.max_drafts = np.array(self.policy.choose(inputs.req_ids, k), dtype=np.int64)
+        drafts = [[PLACEHOLDER] * int(m) for m in draft_limits(self.config, inputs, k)]
+        if self.pad_drafts:
+            self._pad(inputs, drafts, [None] * len(drafts))
+        keep = [i for i, d in enumerate(drafts) if d]
+        for i in keep:
+            self.draft_probs[inputs.req_ids[i]] = None
+            if drafts[i][0] == PLACEHOLDER:
+                self._on_device[inputs.req_ids[i]] = (launched, i)
+        if not keep:
             return None
+        return DraftTokenIds([inputs.req_ids[i] for i in keep], [drafts[i] for i in keep])
+
+    def _inputs(self, plan: SchedulerOutput, batch: InputBatch, sampled: list[list[int]],
+                requests: dict[str, CachedRequestState], idx: list[int]) -> ProposerInputs:
+        """The proposer's inputs for batch requests ``idx``, less the hidden states."""
         reqs = [requests[batch.req_ids[i]] for i in idx]
         num_drafts = [len(batch.spec_token_ids[i]) for i in idx]
         inputs = ProposerInputs(
@@ -174,6 +281,17 @@ class DraftingStage:
             block_ids=[r.block_ids for r in reqs],
             plan=plan,
         )
+        return inputs
+
+    def _propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
+                 aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
+                 requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
+        chunks = self.proposer.runs_on_prefill_chunks
+        idx = [i for i, s in enumerate(sampled) if s or chunks]
+        self.draft_probs.clear()
+        if not idx:
+            return None
+        inputs = self._inputs(plan, batch, sampled, requests, idx)
         k = self.proposer.num_speculative_tokens
         inputs.max_drafts = np.array(self.policy.choose(inputs.req_ids, k), dtype=np.int64)
         if self.proposer.needs_hidden_states:
@@ -187,6 +305,7 @@ class DraftingStage:
         keep = [k for k, d in enumerate(drafts) if d and inputs.num_sampled[k]]
         for k in keep:
             self.draft_probs[inputs.req_ids[k]] = probs[k]
+            self._on_device.pop(inputs.req_ids[k], None)
         if not keep:
             return None
         return DraftTokenIds([inputs.req_ids[k] for k in keep], [drafts[k] for k in keep])

@@ -10,6 +10,10 @@ import torch
 
 from specloop.kernel.outputs import ModelRunnerOutput
 
+from .batch import InputBatch
+from .requests import PLACEHOLDER, CachedRequestState
+from .sampling_stage import SampleResult
+
 
 class DeviceClock:
     """Device timestamps on the host's clock: CUDA events measured from one anchor event whose host
@@ -48,3 +52,26 @@ class PendingOutput:
             self._output = wait()
         assert self._output is not None
         return self._output
+
+
+def provisional(requests: dict[str, CachedRequestState], batch: InputBatch, result: SampleResult,
+                span: Callable[[], tuple[float, float]] | None) -> PendingOutput:
+    """A deferred step's output: one placeholder token per request that sampled, filled in
+    ``requests`` when the tokens reach the host."""
+    waiting = []
+    for i, (_, count) in enumerate(batch.sample_rows):
+        if count:
+            state = requests[batch.req_ids[i]]
+            state.token_ids.append(PLACEHOLDER)
+            waiting.append((i, state, len(state.token_ids) - 1))
+    req_ids = list(batch.req_ids)
+
+    def wait() -> ModelRunnerOutput:
+        sampled = result.wait()
+        for i, state, position in waiting:
+            if requests.get(state.req_id) is state:  # not finished or preempted meanwhile
+                state.token_ids[position] = sampled[i][0]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 device_span=span() if span is not None else None)
+
+    return PendingOutput(wait)

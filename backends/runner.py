@@ -37,8 +37,8 @@ from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
 from .drafting import DraftingStage, StepRecord
 from .executor import EagerExecutor, ForwardOutput, GraphKey
-from .pending import DeviceClock, PendingOutput
-from .requests import PLACEHOLDER, CachedRequestState, PlanChanges, apply_plan
+from .pending import DeviceClock, PendingOutput, provisional
+from .requests import CachedRequestState, PlanChanges, apply_plan
 from .sampling_stage import SampleResult, SamplingStage, compute_logits
 
 
@@ -72,8 +72,8 @@ class Sampler(Protocol):
         """Whether :meth:`sample` can leave this batch's tokens on the device (``defer=True``)."""
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
-               grammar: GrammarBitmask | None = None) -> SampleResult: ...
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False, grammar: GrammarBitmask | None = None,
+               launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult: ...
 
 
 @dataclass(slots=True)
@@ -200,7 +200,7 @@ class ModelRunner:
             self.drafter = DraftingStage(proposer, policy, self.config)
         self.parts = self.platform.parts(self)
         if self.drafter is not None:
-            self.drafter.pad_drafts = getattr(self.parts.executor, "replays_uniform_batches", False)
+            self.drafter.attach(self.parts.executor, self.parts.builder)
         executor = self.parts.executor
         c = self.config
         n = int(min(c.max_num_batched_tokens or 8192, c.max_model_len or 8192))
@@ -323,11 +323,14 @@ class ModelRunner:
         defer = self.async_scheduling and not propose and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
-        draft_probs = self.drafter.draft_probs if self.drafter is not None else {}
-        result = sampler.sample(batch, step.hidden_states, self.requests, draft_probs, defer=defer, grammar=grammar)
+        drafter = self.drafter
+        launch = (drafter.before_sampling(batch, step.hidden_states, step.aux_hidden_states, self.requests, grammar,
+                                          propose) if drafter is not None else None)
+        result = sampler.sample(batch, step.hidden_states, self.requests, drafter.draft_probs if drafter else {},
+                                defer=defer, grammar=grammar, launch=launch)
         span = self._device_span(step.device_start)
         if result.wait is not None:
-            self._pending = self._provisional_placeholders(batch, result, span)
+            self._pending = provisional(self.requests, batch, result, span)
             if record is not None:
                 record.tokens = sum(1 for _, count in batch.sample_rows if count)
             if keep_up:
@@ -354,27 +357,6 @@ class ModelRunner:
             return None
         ended, clock = self.device_clock.mark(), self.device_clock
         return lambda: (clock.time_of(started), clock.time_of(ended))
-
-    def _provisional_placeholders(self, batch: InputBatch, result: SampleResult,
-                                  span: Callable[[], tuple[float, float]] | None) -> PendingOutput:
-        """One placeholder per request that sampled; filled when the tokens reach the host."""
-        waiting = []
-        for i, (_, count) in enumerate(batch.sample_rows):
-            if count:
-                state = self.requests[batch.req_ids[i]]
-                state.token_ids.append(PLACEHOLDER)
-                waiting.append((i, state, len(state.token_ids) - 1))
-        req_ids = list(batch.req_ids)
-
-        def wait() -> ModelRunnerOutput:
-            sampled = result.wait()
-            for i, state, position in waiting:
-                if self.requests.get(state.req_id) is state:  # not finished or preempted meanwhile
-                    state.token_ids[position] = sampled[i][0]
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                     device_span=span() if span is not None else None)
-
-        return PendingOutput(wait)
 
     def _resolve_pending(self) -> None:
         pending, self._pending = self._pending, None

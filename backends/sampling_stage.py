@@ -67,7 +67,10 @@ class SamplingStage:
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
-               grammar: GrammarBitmask | None = None) -> SampleResult:
+               grammar: GrammarBitmask | None = None,
+               launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
+        """``launch``: a proposal the fast greedy path may start from the device (never called
+        here: the drafting stage then proposes once the tokens are on the host)."""
         logits = self.logits(batch, hidden_states)
         meta, sample_logits = self.sampling_inputs(batch, logits, requests)
         self.apply_token_masks(batch, sample_logits, requests, grammar)

@@ -133,6 +133,30 @@ def draft_limits(config: EngineConfig, inputs: ProposerInputs, k: int) -> np.nda
 
 
 @dataclass(slots=True)
+class LaunchInputs:
+    """A uniform greedy verification step as :meth:`Proposer.launch` sees it, before the host has
+    read its outcome: request ``i`` (``req_ids[i]``) computed ``q`` rows, at positions ``first[i]``
+    onwards (its newest token, then ``q - 1`` drafts), and every row sampled greedily."""
+
+    req_ids: list[str]
+    q: int
+    first: np.ndarray  # [B] host
+    block_ids: list[list[int]]
+    # On the device: the target's greedy token after each row, and the rows each request accepted
+    # (its drafts up to the first the target disagreed with, plus one), so request ``i``'s newest
+    # token is ``target_tokens[i * q + accepted[i] - 1]`` at position ``first[i] + accepted[i]``.
+    target_tokens: torch.Tensor  # [B * q] int64
+    accepted: torch.Tensor  # [B] int64
+    hidden_states: torch.Tensor  # [B * q, H] final states
+    aux_hidden_states: tuple[torch.Tensor, ...] = ()  # one [B * q, H] per hidden_state_layers
+    # On the host: each request's tokens before this step (its newest last), its prompt length, and
+    # the drafts this step verifies.
+    token_ids: list[list[int]] = field(default_factory=list)
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class KeepUpInputs:
     """A decode step of one row per request, as :meth:`Proposer.keep_up` sees it: row ``i`` is
     request ``req_ids[i]`` at ``positions[i]``; the token after it is still on the device."""
@@ -190,6 +214,15 @@ class Proposer(ABC):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         """Drafts for the next step: at most ``num_speculative_tokens`` per request and never
         past :func:`draft_limits`."""
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """Greedy drafts for the step after ``step``, launched on the device before the host reads
+        the verification (so the proposal runs while the host commits and plans): ``[B, K]`` on
+        the device, every request's ``K = num_speculative_tokens`` drafts, valid until the next
+        launch. None when this proposer cannot for this step (the default); ``propose`` is then
+        called once the host has the step's tokens. The runner keeps as many of each request's
+        drafts as :func:`draft_limits` allows and reads them one step late."""
+        return None
 
     def keep_up(self, step: KeepUpInputs) -> None:
         """Instead of ``propose`` (with ``keeps_up``), after a decode step of one row per

@@ -138,10 +138,11 @@ class ProposalGraphs(StepGraphs):
     """A head-like proposer's whole greedy proposal as one graph per request count: the first
     step over ``q`` rows per request (as :class:`StepGraphs`), then each request's output at its
     newest accepted row, that output's greedy token (``argmax``) and drafts ``2 .. K`` of
-    :func:`chain_steps` (``step``). A call packs each request's accepted row count with the
-    feed's inputs and replays once; outputs are the first step's rows and the ``[n, K]`` drafts."""
+    :func:`chain_steps` (``step``). A call packs each request's accepted row count (from the host,
+    or already on the device) with the feed's inputs and replays once; outputs are the first
+    step's rows and the ``[n, K]`` drafts."""
 
-    ROWS = 6  # + per request: its newest accepted row, that row's position, its writable slots
+    ROWS = 5  # + per request: the rows it accepted, its writable slots
 
     def __init__(self, fn: StepFn, step: StepFn, argmax: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  max_reqs: int, max_len: int, block_size: int, num_steps: int,
@@ -150,12 +151,15 @@ class ProposalGraphs(StepGraphs):
         super().__init__(fn, device, max_reqs, max_len, block_size, extra=extra, rows_per_req=rows_per_req, pool=pool)
         self._step, self._argmax = weakref.WeakMethod(step), weakref.WeakMethod(argmax)
         self.num_steps = num_steps
-        self.chain_start_loc = torch.arange(max(self.sizes) + 1, dtype=torch.int32, device=device)
+        n = max(self.sizes)
+        self.chain_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._first_rows = torch.arange(0, n * self.q, self.q, dtype=torch.int64, device=device)
 
     def forward(self, size: int) -> tuple[torch.Tensor, ...]:
         out = super().forward(size)[0]
-        last, newest, writable = self._packed[3:6, :size]
-        state = out.index_select(0, last)
+        accepted, writable = self._packed[3:5, :size]
+        state = out.index_select(0, self._first_rows[:size] + accepted - 1)
+        newest = self._packed[0, :size * self.q:self.q] + accepted - 1  # first row's position + accepted - 1
         first = self._argmax()(state)
         if not self.num_steps:
             return out, first[:, None]
@@ -165,17 +169,24 @@ class ProposalGraphs(StepGraphs):
 
     def _fill_padding(self, start: int, end: int) -> None:
         super()._fill_padding(start, end)
-        self._packed[3:6, start:end].fill_(0)  # row 0, position 0, nothing writable
+        self._packed[3, start:end].fill_(1)  # its first row, position 0
+        self._packed[4, start:end].fill_(0)  # nothing writable
 
     def propose(self, token_ids: torch.Tensor, first: np.ndarray, block_ids: Sequence[Sequence[int]],
-                accepted: np.ndarray, *extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                accepted: np.ndarray | torch.Tensor, *extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`StepGraphs.run`, request ``k`` having accepted ``accepted[k]`` of its ``q``
-        rows (so its newest position is ``first[k] + accepted[k] - 1``). Returns the first step's
-        outputs and the drafts (views of static buffers, padded, valid until the next call)."""
-        n, q = len(block_ids), self.q
-        last = np.arange(n) * q + accepted - 1
+        rows (so its newest position is ``first[k] + accepted[k] - 1``; a host array, or a tensor on
+        the device). Returns the first step's outputs and the drafts (views of static buffers,
+        padded, valid until the next call)."""
         writable = np.array([len(b) for b in block_ids], dtype=np.int64) * self.block_size
-        return self.run(token_ids, first, block_ids, *extra, more=(last, first + accepted - 1, writable))
+        return self.run(token_ids, first, block_ids, *extra, more=(accepted, writable))
+
+
+def launchable(graphs_on: bool, feeds: dict[int, StepGraphs], num_reqs: int, q: int) -> ProposalGraphs | None:
+    """The whole-proposal graph a launch after a uniform verification of ``q`` rows per request
+    replays, if there is one for that shape."""
+    feed = feeds.get(q) if graphs_on else None
+    return feed if isinstance(feed, ProposalGraphs) and feed.fits(num_reqs) else None
 
 
 def greedy_graphed(graphs_on: bool, chain: ChainGraphs | None, limits: np.ndarray) -> bool:

@@ -19,10 +19,11 @@ import copy
 from typing import Iterable
 
 import numpy as np
+import torch
 
 from specloop.kernel.config import EngineConfig, SpeculativeConfig
 
-from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 
 class ControlledProposer(Proposer):
@@ -69,23 +70,56 @@ class ControlledProposer(Proposer):
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         self.inner.propose(inputs)  # its cost is what is being measured
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
-        drafts: list[list[int]] = []
-        for i, tokens in enumerate(inputs.token_ids):
-            num_prompt = int(inputs.num_prompt_tokens[i])
-            truth = self.continuations.get(tuple(tokens[:num_prompt].tolist()))
-            if truth is None:
-                raise KeyError(f"no known continuation for request {inputs.req_ids[i]!r}'s prompt")
-            done = len(tokens) - num_prompt  # output tokens so far; the drafts continue from there
-            if inputs.req_ids[i] in self.diverged or list(tokens[num_prompt:].tolist()) != list(truth[:done]):
-                self.diverged.add(inputs.req_ids[i])
-                drafts.append([])
-                continue
-            rng = np.random.default_rng([self.seed, num_prompt, done, *tokens[:4].tolist()])
-            row = []
-            for j in range(int(limits[i])):
-                if done + j >= len(truth):
-                    break
-                right = truth[done + j]
-                row.append(right if rng.random() < self.alpha else (right + 1) % self.vocab_size)
-            drafts.append(row)
+        drafts = [self._drafts(rid, tokens.tolist(), int(inputs.num_prompt_tokens[i]), int(limits[i]))
+                  for i, (rid, tokens) in enumerate(zip(inputs.req_ids, inputs.token_ids))]
         return DraftProposal(drafts)
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The wrapped proposer's launch (its real device cost), its drafts replaced by the
+        controlled ones. Those follow the tokens the step will commit, which the host predicts
+        from the known continuation: the drafts the step verifies up to the first one off it, then
+        the continuation's next token. Where the target departs from it instead, the request
+        diverged (the next launch or proposal sees it), and its drafts only lose acceptance."""
+        drafts = self.inner.launch(step)
+        if drafts is None:
+            return None
+        k = drafts.shape[1]
+        rows = np.zeros((len(step.req_ids), k), dtype=np.int64)
+        for i, rid in enumerate(step.req_ids):
+            tokens, num_prompt = list(step.token_ids[i]), step.num_prompt_tokens[i]
+            truth = self._truth(rid, tokens, num_prompt)
+            done = len(tokens) - num_prompt
+            for draft in step.drafts[i]:
+                if done >= len(truth) or draft != truth[done]:
+                    break
+                tokens.append(draft)
+                done += 1
+            if done < len(truth):
+                tokens.append(truth[done])
+            row = self._drafts(rid, tokens, num_prompt, k)
+            rows[i, :len(row)] = row
+        return torch.from_numpy(rows).pin_memory().to(drafts.device, non_blocking=True) if drafts.is_cuda \
+            else torch.from_numpy(rows)
+
+    def _truth(self, rid: str, tokens: list[int], num_prompt: int) -> list[int]:
+        truth = self.continuations.get(tuple(tokens[:num_prompt]))
+        if truth is None:
+            raise KeyError(f"no known continuation for request {rid!r}'s prompt")
+        return truth
+
+    def _drafts(self, rid: str, tokens: list[int], num_prompt: int, limit: int) -> list[int]:
+        """Up to ``limit`` controlled drafts after ``tokens``: none once the request has left its
+        known continuation."""
+        truth = self._truth(rid, tokens, num_prompt)
+        done = len(tokens) - num_prompt  # output tokens so far; the drafts continue from there
+        if rid in self.diverged or tokens[num_prompt:] != list(truth[:done]):
+            self.diverged.add(rid)
+            return []
+        rng = np.random.default_rng([self.seed, num_prompt, done, *tokens[:4]])
+        row = []
+        for j in range(limit):
+            if done + j >= len(truth):
+                break
+            right = truth[done + j]
+            row.append(right if rng.random() < self.alpha else (right + 1) % self.vocab_size)
+        return row

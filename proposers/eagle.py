@@ -43,10 +43,11 @@ from specloop.models.attention import AttentionMetadata
 from specloop.models.context import ForwardContext
 from specloop.models.loader import resolve_dtype
 
-from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
-from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
+from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
+                           take_drafts)
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
 
 
@@ -123,6 +124,17 @@ class EagleProposer(Proposer):
         with torch.inference_mode():
             return self._propose(inputs)
 
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The whole greedy proposal's graph, fed from the device: row ``j``'s next token is the
+        target's token after it (a draft it accepted, or its own token at the newest row)."""
+        n = len(step.req_ids)
+        feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
+        if feed is None:
+            return None
+        with torch.inference_mode():
+            hidden = self._target_hidden(step, slice(0, n * step.q))
+            return feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted, hidden)[1][:n]
+
     def keep_up(self, step: KeepUpInputs) -> None:
         """Each request's newest position into the head's cache (its hidden state with the token
         sampled after it, still on the device), as a proposal's first step would write it."""
@@ -197,7 +209,8 @@ class EagleProposer(Proposer):
                                    self._target_hidden(inputs, slice(0, n * q)))
         return out, greedy, np.arange(n) * q + counts - 1, first + counts - 1
 
-    def _target_hidden(self, inputs: ProposerInputs, rows: torch.Tensor | slice) -> torch.Tensor:
+    def _target_hidden(self, inputs: ProposerInputs | KeepUpInputs | LaunchInputs, rows: torch.Tensor | slice
+                       ) -> torch.Tensor:
         head = self.head
         if isinstance(head, Eagle3Head) and head.fc is not None:
             aux = inputs.aux_hidden_states

@@ -44,9 +44,10 @@ from specloop.models.context import ForwardContext
 from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
-from .base import DraftProposal, KeepUpInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
-from .chain_graphs import ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, take_drafts
+from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
+                           take_drafts)
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
@@ -121,6 +122,16 @@ class MTPProposer(Proposer):
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
                                      pool=self.follow.pool)
             self.chain.capture()
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """A one-layer checkpoint's whole greedy proposal, fed from the device (as EAGLE's)."""
+        n = len(step.req_ids)
+        feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
+        if feed is None:
+            return None
+        with torch.inference_mode():
+            return feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted,
+                                step.hidden_states[:n * step.q])[1][:n]
 
     def keep_up(self, step: KeepUpInputs) -> None:
         """Every layer's cache entry for each request's newest position (the target's hidden state

@@ -134,7 +134,8 @@ class StepGraphs:
         """One step over ``len(block_ids)`` requests: request ``k`` feeds the ``q`` tokens
         ``token_ids[k*q:(k+1)*q]`` at positions ``positions[k]``, ``positions[k] + 1``, ... of the
         request whose blocks are ``block_ids[k]``; ``extra`` are the per-row inputs declared at
-        construction, ``more`` a subclass's packed per-request rows. Returns the step's outputs
+        construction, ``more`` a subclass's packed per-request rows (host arrays, or tensors already on
+        the device). Returns the step's outputs
         (views of static buffers, valid until the next call)."""
         n, q = len(block_ids), self.q
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -160,9 +161,15 @@ class StepGraphs:
                 p = rows[k * q:(k + 1) * q]
                 host[1, k * q:(k + 1) * q] = tables[k, p // bs].astype(np.int64) * bs + p % bs
         host[2, :n] = rows[q - 1::q] + 1
+        on_device = []
         for r, values in enumerate(more, start=3):
-            host[r, :n] = values
+            if isinstance(values, torch.Tensor):
+                on_device.append((r, values))
+            else:
+                host[r, :n] = values
         self._packed[:, :n * q].copy_(host_t[:, :n * q], non_blocking=True)
+        for r, values in on_device:
+            self._packed[r, :n].copy_(values)
         self.block_tables[:n].copy_(tables_t[:n], non_blocking=True)
         if self.device.type == "cuda":
             event = self._copied[turn] = torch.cuda.Event()

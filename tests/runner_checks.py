@@ -223,7 +223,8 @@ def _eager_captures(monkeypatch: Any) -> list:
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16) -> None:
     """The greedy graph paths of a proposer (EAGLE-3 and MTP: the whole proposal of a uniform step,
-    its first step over every target row; the draft model: its first step over its newest one or
+    its first step over every target row, after a verification launched from the device with the
+    drafts left there and read a step late; the draft model: its first step over its newest one or
     two tokens, then the further steps; all: the further steps after an eager first step as one
     chain), run eagerly on the graphs' static buffers under the Triton kernels, positions and slots
     computed on the device: the same drafts, step by step, as the proposer's eager path, and the
@@ -263,32 +264,86 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 order = [*prop.feed_graphs.values(), getattr(prop, "follow", None), prop.chain]
                 assert captured == ([g for g in order if g is not None] if mode == "graphs" else []), captured
                 seen: list = []
-                propose = prop.propose
-                prop.propose = _recording(propose, seen)
+                runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen)
+                launched = []
+                launch = prop.launch
+                prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
             got = llm.generate(batch, params, use_tqdm=False)
             outs[mode] = [o.outputs[0].token_ids for o in got]
             if mode != "none":
                 drafts[mode] = seen
             if mode == "graphs":
                 replays = {"steps": prop.chain.num_replays,
-                           **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()}}
+                           **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()},
+                           "launched": sum(d is not None for d in launched)}
                 if getattr(prop, "follow", None) is not None:
                     replays["keep up"] = prop.follow.num_replays
+            elif mode == "eager":
+                assert not any(d is not None for d in launched), (method, "launched without graphs")
         finally:
             llm.core.shutdown()
     assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
-    assert drafts["graphs"] == drafts["eager"], (method, drafts)
+    # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
+    assert drafts["graphs"] == drafts["eager"] and len(drafts["eager"]) > 5, (method, drafts)
+    # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
+    assert (replays["launched"] > 0) is (method != "draft_model"), replays
     # The draft model feeds two tokens after a step that accepted every draft; the heads and MTP
     # feed all K + 1 = 4 rows of a verification step.
     assert replays["steps"] > 0 and replays["feed q=2" if method == "draft_model" else "feed q=4"] > 0, replays
     assert method == "draft_model" or replays["keep up"] > 0, replays
 
 
-def _recording(propose: Any, seen: list) -> Any:
-    def wrapped(inputs: Any) -> Any:
-        proposal = propose(inputs)
-        seen.append([list(d) for d in proposal.draft_token_ids])
-        return proposal
+def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> None:
+    """The acceptance-controlled proposer wrapping EAGLE-3 on the launched path (its graphs run
+    eagerly, as above): it pays the head's launch and swaps in drafts that follow the known
+    continuation with probability alpha, predicted on the host before the step's tokens are read.
+    Outputs stay the target's, no request leaves its continuation, and the first position is
+    accepted at about alpha."""
+    from pathlib import Path
+
+    from specloop import LLM, SamplingParams
+
+    root = Path(__file__).resolve().parent.parent / "default_models"
+    engine = dict(model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                  max_num_seqs=4)
+    batch = [{"prompt_token_ids": p} for p in prompts(4, seed=7, min_len=6, max_len=10)]
+    params = SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)
+    plain = LLM(str(root / "specloop-tiny"), **engine)
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    finally:
+        plain.core.shutdown()
+    truth = {tuple(b["prompt_token_ids"]): list(w) for b, w in zip(batch, want)}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _eager_captures(monkeypatch)
+        llm = LLM(str(root / "specloop-tiny"), **engine, plugin_options={"controlled": {"continuations": truth}},
+                  speculative_config={"method": "controlled", "num_speculative_tokens": 3,
+                                      "model": str(root / "specloop-tiny-eagle3"),
+                                      "extra": {"wraps": "eagle3", "alpha": alpha}})
+    try:
+        runner = llm.core.runner
+        runner.drafter.pad_drafts = True
+        prop = runner.drafter.proposer
+        launched = []
+        launch = prop.launch
+        prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        m = llm.get_metrics()
+    finally:
+        llm.core.shutdown()
+    assert got == want and not prop.diverged, (got, want, prop.diverged)
+    assert sum(d is not None for d in launched) > 10, len(launched)
+    first = m["spec_num_accepted_tokens_per_pos"][0] / m["spec_num_drafts"]
+    assert m["spec_num_drafts"] > 50 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
+
+
+def _recording(sample: Any, seen: list) -> Any:
+    """``sample`` that records the drafts of each step that verifies some (values only: a
+    placeholder left here would fail the comparison)."""
+    def wrapped(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(batch.spec_token_ids):
+            seen.append([list(d) for d in batch.spec_token_ids])
+        return sample(batch, *args, **kwargs)
     return wrapped
 
 
@@ -302,6 +357,7 @@ def _main() -> None:
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
     for method in ("eagle3", "mtp", "draft_model"):
         check_draft_graphs_match_eager("cpu", method)
+    check_controlled_launch_follows_alpha("cpu")
     print("ok runner")
 
 

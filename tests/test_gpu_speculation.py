@@ -81,6 +81,10 @@ def reference(batch: list) -> list[list[int]]:
 @pytest.mark.parametrize("method", list(SPECS))
 def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, reference: list[list[int]]) -> None:
     llm = _llm(SPECS[method])
+    proposer = llm.core.runner.drafter.proposer
+    launched = []
+    launch = proposer.launch
+    proposer.launch = _counting(launch, launched)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64,
                                                                               ignore_eos=True), use_tqdm=False)]
     metrics = llm.get_metrics()
@@ -99,6 +103,16 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
         assert draft_replays, f"{method}: no drafting step replayed a CUDA graph"
     if method in ("eagle", "eagle3"):
         assert feed_replays, f"{method}: no first drafting step (the feed of the target's rows) replayed a graph"
+        # After a uniform verification the whole proposal is launched from the device.
+        assert sum(launched) > 10, f"{method}: proposals never launched from the device"
+
+
+def _counting(launch, launched: list):
+    def counted(step):
+        drafts = launch(step)
+        launched.append(drafts is not None)
+        return drafts
+    return counted
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])

@@ -9,7 +9,8 @@ reads them there), and one small copy brings them to the host.
 A batch that verifies drafts with every request plain and greedy takes the argmax of every sampled
 row on the device and one copy of those ids to the host, where each request keeps its drafts up to
 the first that differs from the target's token, plus that token: what the rejection sampler does
-for greedy rows, without its per-row metadata and kernel launches.
+for greedy rows, without its per-row metadata and kernel launches. The next proposal may be
+launched from those ids on the device while they travel (``launch``, from the drafting stage).
 
 Both paths take structured outputs' grammar masks: the step's packed bitmask goes to the device
 through a pinned buffer and the mask kernel clears the forbidden logits of its rows before the draw
@@ -19,6 +20,8 @@ Everything else goes to the reference stage, with the Gumbel-max kernel for its 
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -60,9 +63,10 @@ class FastSamplingStage:
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
-               grammar: GrammarBitmask | None = None) -> SampleResult:
+               grammar: GrammarBitmask | None = None,
+               launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
         if self._greedy_verification(batch, requests):
-            return self._verify_greedy(batch, hidden_states, grammar)
+            return self._verify_greedy(batch, hidden_states, grammar, launch)
         if not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         result = self._sample_plain(batch, hidden_states, requests, grammar)
@@ -70,9 +74,10 @@ class FastSamplingStage:
             result.sampled, result.wait = result.wait(), None
         return result
 
-    def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor,
-                       grammar: GrammarBitmask | None) -> SampleResult:
-        """Drafts against the target's argmax; see the module docstring."""
+    def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor, grammar: GrammarBitmask | None,
+                       launch: Callable[[torch.Tensor], None] | None) -> SampleResult:
+        """Drafts against the target's argmax; see the module docstring. ``launch`` (the next
+        proposal, fed from the device) runs while the argmax travels to the host."""
         num_rows = batch.logits_indices.shape[0]
         with torch.inference_mode():
             logits = self.reference.logits(batch, hidden_states)
@@ -80,8 +85,13 @@ class FastSamplingStage:
             top = logits.argmax(dim=-1)
             host = self._next_host_buffer(num_rows)
             host.copy_(top, non_blocking=True)
-            if top.is_cuda:
-                torch.cuda.current_stream(top.device).synchronize()
+            copied = torch.cuda.Event() if top.is_cuda else None
+            if copied is not None:
+                copied.record()
+            if launch is not None:
+                launch(top)
+            if copied is not None:
+                copied.synchronize()
         values = host.tolist()
         sampled: list[list[int]] = []
         for (first, count), drafts in zip(batch.sample_rows, batch.spec_token_ids):

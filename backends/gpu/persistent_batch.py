@@ -4,8 +4,9 @@ step's inputs built from it with O(requests) host work.
 Per request *slot* the device keeps the token ids (prompt, committed output, then drafts), the block
 table and the sampling parameters the fast sampler reads. They change incrementally: a new request
 writes its tokens and blocks once; a running one appends only what the device lacks (new blocks,
-tokens it did not sample itself, drafts). The GPU runner writes each sampled token straight into
-the token row, so a plain decode step sends no token ids at all.
+tokens it did not sample itself, drafts proposed on the host). The GPU runner writes each sampled
+token straight into the token row, and a proposal launched on the device its drafts, so a plain
+decode step sends no token ids at all, and a verification only the tokens it accepted.
 
 Each step the host fills one pinned int32 buffer, ``[req_slots | starts | qsl | seq_lens |
 sample_req_rows | logits_indices]``, and copies it to the device in one transfer; the
@@ -27,7 +28,7 @@ from specloop.kernel.sampling_params import SamplingParams
 from specloop.kernels.prepare_inputs import prepare_inputs
 
 from ..batch import BatchLayout, InputBatch
-from ..requests import CachedRequestState, PlanChanges
+from ..requests import PLACEHOLDER, CachedRequestState, PlanChanges
 from .triton_attention import GpuAttentionMetadata
 
 
@@ -176,7 +177,7 @@ class PersistentBatch:
         num_reqs = len(lay.req_ids)
         slots = [self.slots[rid] for rid in lay.req_ids]
         for slot, rid, spec in zip(slots, lay.req_ids, lay.specs):
-            if spec:
+            if spec and spec[0] != PLACEHOLDER:  # placeholders: drafts the device wrote itself
                 self._token_writes.append((slot, len(requests[rid].token_ids), spec))
         self.flush_writes()
         num_tokens = lay.num_tokens
@@ -221,6 +222,15 @@ class PersistentBatch:
         slots = self.req_slots.index_select(0, rows).long()
         pos = self.seq_lens.index_select(0, rows).long()
         self.tokens.view(-1).index_copy_(0, slots * self.max_len + pos, tokens.to(torch.int32))
+
+    def write_drafts(self, start: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Drafts proposed on the device for the step's first ``n`` requests (``[n, K]``) into
+        their token rows from position ``start`` (``[n]``, on the device): the next step reads them
+        there, so the host sends none (its copies are placeholders until it reads them)."""
+        n, k = drafts.shape
+        base = self.req_slots[:n].long() * self.max_len + start
+        flat = (base[:, None] + torch.arange(k, dtype=torch.int64, device=self.device)).reshape(-1)
+        self.tokens.view(-1).index_copy_(0, flat, drafts.reshape(-1).to(torch.int32))
 
     def mark_sampled(self, req_id: str, position: int) -> None:
         """The token at ``position`` was written on the device by :meth:`write_sampled`."""
