@@ -171,7 +171,8 @@ class DraftingStage:
         returns placeholders, and :meth:`resolve` their values at the next step."""
         n = len(batch.req_ids)
         q = batch.num_tokens // n if n else 0
-        if (self.write_drafts is None or grammar is not None or q < 2 or batch.num_tokens != n * q
+        if (self.write_drafts is None or not self.proposer.launches or grammar is not None or q < 2
+                or batch.num_tokens != n * q
                 or any(count != q for _, count in batch.sample_rows)
                 or any(requests[rid].sampling_params.structured_outputs is not None for rid in batch.req_ids)):
             return None

@@ -55,7 +55,7 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 -rfE \
+    tests) stage gpu_tests "${T_TESTS:-300}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=15 -rfE \
              --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py tests/test_gpu_speculation.py \
              tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
@@ -87,7 +87,7 @@ for s in $stages; do
              --device cuda --ckpt-root "$CKPT" --model llama3-8b --draft-model llama3.2-1b --prompts random \
              --alpha 0.8 --ks "${SPEC_KS:-3}" --batch-sizes 1 --methods "${SPEC_METHODS:-ngram,eagle3,draft_model}" \
              --prompt-len 128 --output-len 128 \
-             --min-prompts 2 --repeat 2 ${SPEC_ARGS:-} ;;
+             --min-prompts 2 --repeat "${SPEC_REPEAT:-2}" ${SPEC_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
     mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" ;;

@@ -16,8 +16,9 @@ each K. Reported per configuration:
 * whether the tokens equal the run without speculation (they must, for greedy decoding);
 * draft cost = the proposer's time per verify step (feeding the accepted tokens and drafting K) and
   per drafted token, relative to the target's forward per step without speculation, both measured
-  in one extra untimed run of each engine with timers around ``proposer.propose`` and the
-  executor's forward (synchronising the device around each).
+  in one extra untimed run of each engine with timers around ``proposer.propose``,
+  ``proposer.launch`` (a proposal started from the device) and the executor's forward
+  (synchronising the device around each; a launch the proposer declines counts as a call).
 
 Prompts: ``heldout`` takes windows of the standard-library modules held out from the default model's
 training (``tools/train_default_models.py``), tokenized with the model's tokenizer; ``random``
@@ -213,19 +214,23 @@ class Engine:
         runner = self.llm.core.runner
         forward = Timer(runner.forward, self.cuda)
         runner.forward = forward
-        propose = None
-        if runner.drafter is not None:
-            propose = runner.drafter.proposer.propose = Timer(runner.drafter.proposer.propose, self.cuda)
+        timers: list[Timer] = []
+        if runner.drafter is not None:  # a proposal is a propose call, or a launch from the device
+            proposer = runner.drafter.proposer
+            proposer.propose = Timer(proposer.propose, self.cuda)
+            proposer.launch = Timer(proposer.launch, self.cuda)
+            timers = [proposer.propose, proposer.launch]
         before = self.llm.get_metrics()
         for batch in self.rounds:
             self.llm.generate(batch, self.params, use_tqdm=False)
         drafted = self.llm.get_metrics()["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
         del runner.forward
-        if propose is not None:
-            del runner.drafter.proposer.propose
+        if timers:
+            del runner.drafter.proposer.propose, runner.drafter.proposer.launch
+        seconds, calls = sum(t.seconds for t in timers), sum(t.calls for t in timers)
         return {"forward_s": forward.seconds / max(forward.calls, 1),
-                "propose_s": propose.seconds / max(propose.calls, 1) if propose else 0.0,
-                "propose_per_token_s": propose.seconds / max(drafted, 1) if propose else 0.0}
+                "propose_s": seconds / max(calls, 1) if timers else 0.0,
+                "propose_per_token_s": seconds / max(drafted, 1) if timers else 0.0}
 
     @property
     def seconds(self) -> float:

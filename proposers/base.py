@@ -193,6 +193,9 @@ class Proposer(ABC):
     # Implements keep_up: after a decode step the policy drafts nothing for, it brings its per-step
     # state up to date from device tensors, with no host read, so that step can overlap too.
     keeps_up: bool = False
+    # Implements launch: its greedy proposal can start from device tensors, before the host reads
+    # the verification.
+    launches: bool = False
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config

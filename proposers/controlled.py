@@ -50,7 +50,7 @@ class ControlledProposer(Proposer):
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
         self.needs_hidden_states = self.inner.needs_hidden_states
         self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
-        self.catches_up, self.keeps_up = self.inner.catches_up, self.inner.keeps_up
+        self.catches_up, self.keeps_up, self.launches = self.inner.catches_up, self.inner.keeps_up, self.inner.launches
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
         self.diverged: set[str] = set()

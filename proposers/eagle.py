@@ -57,6 +57,7 @@ class EagleProposer(Proposer):
     version = 1
     needs_hidden_states = True
     keeps_up = True
+    launches = True
     runs_on_prefill_chunks = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:

@@ -58,6 +58,7 @@ class MTPProposer(Proposer):
     needs_hidden_states = True
     runs_on_prefill_chunks = True
     keeps_up = True
+    launches = True  # a one-layer checkpoint, when its proposal graph fits the step
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
