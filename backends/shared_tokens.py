@@ -12,6 +12,8 @@ so the runner, its batch builder and its drafting stage are the same on every ra
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specloop.models.parallel import TensorParallel
@@ -43,7 +45,10 @@ class BroadcastSampledTokens:
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
-               grammar: GrammarBitmask | None = None) -> SampleResult:
+               grammar: GrammarBitmask | None = None, launch: Callable[[torch.Tensor], None] | None = None
+               ) -> SampleResult:
+        # ``launch`` is always None here: with several ranks proposals are not launched from the
+        # device (``DraftingStage.attach``).
         result = self.inner.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         num_reqs, num_rows = _sizes(batch)
         # [emitted count per request | the tokens, request after request | padding]; a request
@@ -71,7 +76,8 @@ class ReceiveSampledTokens:
 
     def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
                draft_probs: dict[str, torch.Tensor | None], defer: bool = False,
-               grammar: GrammarBitmask | None = None) -> SampleResult:
+               grammar: GrammarBitmask | None = None, launch: Callable[[torch.Tensor], None] | None = None
+               ) -> SampleResult:
         if batch.precomputed_logits is None:  # else a CUDA graph gathered them on every rank already
             self.reference.logits(batch, hidden_states)
         num_reqs, num_rows = _sizes(batch)
