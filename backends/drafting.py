@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -56,11 +56,13 @@ class StepRecord:
 
 @dataclass(slots=True)
 class DeviceDrafts:
-    """A launched proposal's drafts, left on the device: the host's copy (``[n, K]``), valid once
-    ``copied`` has passed."""
+    """A launched proposal's drafts, left on the device: the host's copy (``[n, K]``, in one of two
+    pinned buffers used in turn), valid once ``copied`` has passed, and the requests that took
+    placeholders for them (request id, row)."""
 
     host: torch.Tensor
     copied: torch.cuda.Event | None
+    rows: list[tuple[str, int]] = field(default_factory=list)
 
 
 class DraftingStage:
@@ -84,8 +86,10 @@ class DraftingStage:
         # Launching proposals from the device (``launcher``): where their drafts go, this step's
         # launch, and per request the launch (and row) its placeholder drafts stand for.
         self.write_drafts: DraftWriter | None = None
-        self._launched: DeviceDrafts | None = None
-        self._on_device: dict[str, tuple[DeviceDrafts, int]] = {}
+        self._launched: DeviceDrafts | None = None  # this step's launch
+        self._unread: DeviceDrafts | None = None  # the last step's, until its copy is read
+        self._on_device: dict[str, list[int]] = {}  # per request, its placeholders' values
+        self._host_drafts: list[torch.Tensor] = []
 
     def attach(self, executor: object, builder: object) -> None:
         """Pad drafts when the executor replays uniform batches; launch proposals from the device
@@ -134,6 +138,8 @@ class DraftingStage:
             self.draft_probs.pop(rid, None)
             self._arrays.pop(rid, None)
             self._on_device.pop(rid, None)
+        if self._unread is not None and req_ids:
+            self._unread.rows = [(rid, row) for rid, row in self._unread.rows if rid not in req_ids]
         if req_ids:
             self.proposer.remove_requests(req_ids)
         if finished:
@@ -151,15 +157,19 @@ class DraftingStage:
     def resolve(self, batch: InputBatch) -> None:
         """Before a step samples: the values of the placeholder drafts it verifies (copied to the
         host a step ago, while that step's proposal ran)."""
+        launched, self._unread = self._unread, None
+        if launched is not None:  # read once, whole: its buffer takes the launch after next
+            if launched.copied is not None:
+                launched.copied.synchronize()
+            values = launched.host.tolist()
+            for rid, row in launched.rows:
+                self._on_device[rid] = values[row]
         if not self._on_device:
             return
         specs = batch.spec_token_ids
         for i, rid in enumerate(batch.req_ids):
             if specs[i] and specs[i][0] == PLACEHOLDER:
-                launched, row = self._on_device.pop(rid)
-                if launched.copied is not None:
-                    launched.copied.synchronize()
-                specs[i] = launched.host[row, :len(specs[i])].tolist()
+                specs[i] = self._on_device.pop(rid)[:len(specs[i])]
 
     def launcher(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                  requests: dict[str, CachedRequestState], grammar: object) -> Callable[[torch.Tensor], None] | None:
@@ -191,7 +201,11 @@ class DraftingStage:
                 return
             # Drafts follow the newest token, at position first + accepted.
             self.write_drafts(batch.positions[:n * q].view(n, q)[:, 0] + accepted + 1, drafts)
-            host = torch.empty(drafts.shape, dtype=torch.int64, pin_memory=drafts.is_cuda)
+            if not self._host_drafts:
+                self._host_drafts = [torch.empty((self.config.max_num_seqs, drafts.shape[1]), dtype=torch.int64,
+                                                 pin_memory=drafts.is_cuda) for _ in range(2)]
+            self._host_drafts.reverse()
+            host = self._host_drafts[0][:n]
             host.copy_(drafts, non_blocking=True)
             copied = torch.cuda.Event() if drafts.is_cuda else None
             if copied is not None:
@@ -258,7 +272,8 @@ class DraftingStage:
         for i in keep:
             self.draft_probs[inputs.req_ids[i]] = None
             if drafts[i][0] == PLACEHOLDER:
-                self._on_device[inputs.req_ids[i]] = (launched, i)
+                launched.rows.append((inputs.req_ids[i], i))
+        self._unread = launched
         if not keep:
             return None
         return DraftTokenIds([inputs.req_ids[i] for i in keep], [drafts[i] for i in keep])

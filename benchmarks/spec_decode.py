@@ -185,6 +185,8 @@ class Engine:
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
+        if drafter is not None and args.host_proposals:
+            drafter.write_drafts = None  # no proposal launched from the device
         self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
         freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
@@ -300,6 +302,9 @@ def main() -> None:
     parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
+    parser.add_argument("--host-proposals", action="store_true",
+                        help="propose on the host after reading each verification, never launching a proposal "
+                             "from the device (to measure what launching gains)")
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

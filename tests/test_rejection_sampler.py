@@ -372,7 +372,7 @@ def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
         grammar = GrammarBitmask([rid for rid, _ in masked], [n for _, n in masked],
                                  torch.cat(masks).numpy()) if masks else None
         masked_rows += sum(n for _, n in masked)
-        fast = stage._verify_greedy(batch, raw, grammar).sampled
+        fast = stage._verify_greedy(batch, raw, grammar, None).sampled
         meta = sampling.SamplingMetadata.build(
             [sampling.SamplingRow(greedy, 0, 10 + j, [1], [], []) for n in counts for j in range(n)], vocab,
             torch.device("cpu"))

@@ -53,9 +53,20 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # The whole gpu runner (persistent batch, prepare kernel, fused forward, fast sampler; MLA and
     # fused MoE for DeepSeek-V3) on the CPU: same tokens as the torch runner through chunking, a
     # prefix hit, a seeded sampled request and preemption; grammar masks on the fast sampler with
-    # asynchronous scheduling; EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers)
-    # drafting what their eager paths draft. CUDA graphs need a GPU (test_gpu_backend.py).
+    # asynchronous scheduling. CUDA graphs need a GPU (test_gpu_backend.py).
     _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
+
+
+def test_draft_graph_paths_under_interpreter() -> None:
+    # EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers) drafting what
+    # their eager paths draft, EAGLE-3 and MTP proposals launched from the device with their drafts
+    # read a step late.
+    _run("drafts", script=CHECKS.with_name("runner_checks.py"), expect="ok drafts")
+
+
+def test_controlled_proposer_on_the_launched_path_under_interpreter() -> None:
+    # The acceptance-controlled proposer wrapping EAGLE-3 launched from the device: acceptance at alpha.
+    _run("controlled", script=CHECKS.with_name("runner_checks.py"), expect="ok controlled")
 
 
 def test_batch_invariant_mode_under_interpreter() -> None:
