@@ -22,13 +22,13 @@ pytest.importorskip("triton")
 CHECKS = Path(__file__).with_name("kernel_checks.py")
 
 
-def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str = "") -> None:
+def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str = "", timeout: int = 300) -> None:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (expect or f"ok {args[0]}") in proc.stdout
 
@@ -61,7 +61,7 @@ def test_draft_graph_paths_under_interpreter() -> None:
     # EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers) drafting what
     # their eager paths draft, EAGLE-3 and MTP proposals launched from the device with their drafts
     # read a step late.
-    _run("drafts", script=CHECKS.with_name("runner_checks.py"), expect="ok drafts")
+    _run("drafts", script=CHECKS.with_name("runner_checks.py"), expect="ok drafts", timeout=600)
 
 
 def test_controlled_proposer_on_the_launched_path_under_interpreter() -> None:
