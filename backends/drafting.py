@@ -91,13 +91,12 @@ class DraftingStage:
         self._on_device: dict[str, list[int]] = {}  # per request, its placeholders' values
         self._host_drafts: list[torch.Tensor] = []
 
-    def attach(self, executor: object, builder: object) -> None:
+    def attach(self, executor: object, write_drafts: DraftWriter | None) -> None:
         """Pad drafts when the executor replays uniform batches; launch proposals from the device
-        when the batch builder keeps token rows there (one rank: every rank would have to launch
+        when the platform supplies ``write_drafts`` (one rank: every rank would have to launch
         alike)."""
         self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
-        if self.config.tensor_parallel_size == 1:
-            self.write_drafts = getattr(builder, "write_drafts", None)
+        self.write_drafts = write_drafts if self.config.tensor_parallel_size == 1 else None
 
     def begin_step(self, plan: SchedulerOutput, inline: bool) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's

@@ -81,6 +81,9 @@ class RunnerParts:
     builder: BatchBuilder
     executor: Executor
     sampler: Sampler
+    # Writes drafts proposed on the device into the builder's device token rows, when it keeps them
+    # there: proposals may then be launched from the device (``DraftingStage.launcher``).
+    write_drafts: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
 class Platform(Protocol):
@@ -200,7 +203,7 @@ class ModelRunner:
             self.drafter = DraftingStage(proposer, policy, self.config)
         self.parts = self.platform.parts(self)
         if self.drafter is not None:
-            self.drafter.attach(self.parts.executor, self.parts.builder)
+            self.drafter.attach(self.parts.executor, self.parts.write_drafts)
         executor = self.parts.executor
         c = self.config
         n = int(min(c.max_num_batched_tokens or 8192, c.max_model_len or 8192))

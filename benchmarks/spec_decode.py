@@ -172,9 +172,12 @@ class Engine:
         from specloop.frontend.engine_builder import freeze_heap
 
         self.cuda = args.device.startswith("cuda")
+        options = dict(plugin_options or {})
+        if args.host_proposals and self.cuda:
+            options["gpu"] = {"device_proposals": False}
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
                        max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=batch_size,
-                       gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=plugin_options or {},
+                       gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=options,
                        batch_invariant=args.batch_invariant)
         self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         requests = [{"prompt_token_ids": p} for p in prompts]
@@ -185,8 +188,6 @@ class Engine:
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
-        if drafter is not None and args.host_proposals:
-            drafter.write_drafts = None  # no proposal launched from the device
         self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
         freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
@@ -303,8 +304,8 @@ def main() -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
     parser.add_argument("--host-proposals", action="store_true",
-                        help="propose on the host after reading each verification, never launching a proposal "
-                             "from the device (to measure what launching gains)")
+                        help="plugin_options gpu device_proposals=False: propose on the host after reading each "
+                             "verification, never launching a proposal from the device (what launching gains)")
     args = parser.parse_args()
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -248,11 +248,14 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs, drafts, replays = {}, {}, {}
-    for mode in ("none", "eager", "graphs"):
+    # "host": the graphs with gpu option device_proposals off (EAGLE-3 only): no launch, same drafts.
+    modes = ("none", "eager", "graphs", "host") if method == "eagle3" else ("none", "eager", "graphs")
+    for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            captured = _eager_captures(monkeypatch) if mode == "graphs" else []
+            captured = _eager_captures(monkeypatch) if mode in ("graphs", "host") else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                      max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec)
+                      max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec,
+                      plugin_options={"gpu": {"device_proposals": mode != "host"}})
         try:
             if mode != "none":
                 runner = llm.core.runner
@@ -260,9 +263,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
                 runner.drafter.policy = Alternating(on=3, off=2)
                 # the feeds' graph sets, keep_up's, then the chain's (captured last)
-                assert prop.graphs_on is (mode == "graphs")
+                assert prop.graphs_on is (mode in ("graphs", "host"))
                 order = [*prop.feed_graphs.values(), getattr(prop, "follow", None), prop.chain]
-                assert captured == ([g for g in order if g is not None] if mode == "graphs" else []), captured
+                assert captured == ([g for g in order if g is not None] if prop.graphs_on else []), captured
                 seen: list = []
                 runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen)
                 launched = []
@@ -278,13 +281,14 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                            "launched": sum(d is not None for d in launched)}
                 if getattr(prop, "follow", None) is not None:
                     replays["keep up"] = prop.follow.num_replays
-            elif mode == "eager":
-                assert not any(d is not None for d in launched), (method, "launched without graphs")
+            elif mode in ("eager", "host"):
+                assert not any(d is not None for d in launched), (method, mode, "launched")
         finally:
             llm.core.shutdown()
     assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
     assert drafts["graphs"] == drafts["eager"] and len(drafts["eager"]) > 5, (method, drafts)
+    assert drafts.get("host", drafts["eager"]) == drafts["eager"] and outs.get("host", outs["none"]) == outs["none"]
     # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
     assert (replays["launched"] > 0) is (method != "draft_model"), replays
     # The draft model feeds two tokens after a step that accepted every draft; the heads and MTP

@@ -241,3 +241,14 @@ def test_prompt_logprobs_are_reported_once_across_preemption() -> None:
     plans.finish("a")
     plans.add("a", prompt, SamplingParams(temperature=0.0, prompt_logprobs=0))  # the id is reused
     assert len(plans.run({"a": 14})[1].prompt_logprobs["a"]) == 14
+
+
+def test_gpu_runner_options_are_checked() -> None:
+    """The gpu runner's options take effect or are refused by name (no key silently ignored)."""
+    from specloop.backends.gpu.platform import GpuPlatform
+
+    platform = GpuPlatform(EngineConfig(plugin_options={"gpu": {"device_proposals": False, "cuda_graphs": False}}))
+    assert platform.device_proposals is False and platform.cuda_graphs is False
+    assert GpuPlatform(EngineConfig()).device_proposals is True
+    with pytest.raises(ValueError, match="unknown option.*'cuda_graph'.*known: fused, cuda_graphs"):
+        GpuPlatform(EngineConfig(plugin_options={"gpu": {"cuda_graph": False}}))

@@ -7,8 +7,11 @@
   executor;
 * a fast sampling path for plain batches around the reference sampling stage.
 
-Options (``config.plugin_options["gpu"]``): ``fused`` (default on) and ``cuda_graphs`` (default on
-unless ``enforce_eager``; CUDA only, and only with the fused ops).
+Options (``config.plugin_options["gpu"]``): ``fused`` (default on), ``cuda_graphs`` (default on
+unless ``enforce_eager``; CUDA only, and only with the fused ops), ``device_proposals`` (default on:
+a proposer that can launches its greedy proposal from the device after a verification, its drafts
+left in the device token rows; off, it proposes once the host has read the step) and
+``device_timeline`` (device timestamps for the step timeline). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -36,11 +39,17 @@ logger = logging.getLogger("specloop")
 class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
+    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
+        unknown = sorted(set(opts) - set(self.OPTIONS))
+        if unknown:
+            raise ValueError(f"plugin_options['gpu'] has unknown option(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(self.OPTIONS)}")
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
+        self.device_proposals = bool(opts.get("device_proposals", True))
 
     def ops(self, config: EngineConfig) -> Ops:
         return TRITON_OPS if self.fused else TORCH_OPS
@@ -61,7 +70,8 @@ class GpuPlatform:
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc))
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
-        return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens))
+        return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
+                           write_drafts=batch.write_drafts if self.device_proposals else None)
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
