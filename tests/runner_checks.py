@@ -341,6 +341,44 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     assert m["spec_num_drafts"] > 50 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
 
 
+def check_launched_drafts_through_admission_and_preemption(device: str) -> None:
+    """EAGLE-3 launched from the device (graphs run eagerly, as above) while requests come and go:
+    two running at a time out of five, a KV pool small enough to preempt, one sampled request among
+    greedy ones (its steps verify on the reference path, which needs the placeholders' values).
+    Greedy outputs equal the run without drafts; proposals were launched; something was preempted."""
+    from pathlib import Path
+
+    from specloop import LLM, SamplingParams
+
+    root = Path(__file__).resolve().parent.parent / "default_models"
+    engine = dict(model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                  max_num_seqs=2, block_size=16, num_kv_blocks=5)
+    batch = [{"prompt_token_ids": p} for p in prompts(5, seed=9, min_len=6, max_len=12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 9, 28, 14)]
+    params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(root / "specloop-tiny-eagle3")}
+    outs, launched, metrics = {}, [], {}
+    for mode in ("none", "graphs"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            _eager_captures(monkeypatch)
+            llm = LLM(str(root / "specloop-tiny"), **engine, speculative_config=spec if mode == "graphs" else None)
+        try:
+            if mode == "graphs":
+                runner = llm.core.runner
+                runner.drafter.pad_drafts = True
+                prop = runner.drafter.proposer
+                launch = prop.launch
+                prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+            metrics[mode] = llm.get_metrics()
+        finally:
+            llm.core.shutdown()
+    assert outs["graphs"][:4] == outs["none"][:4], outs
+    assert len(outs["graphs"][4]) == 12
+    assert sum(d is not None for d in launched) > 3, len(launched)
+    assert metrics["graphs"]["num_preemptions"] > 0 and metrics["graphs"]["spec_num_accepted_tokens"] > 0, metrics
+
+
 def _recording(sample: Any, seen: list) -> Any:
     """``sample`` that records the drafts of each step that verifies some (values only: a
     placeholder left here would fail the comparison)."""
@@ -364,6 +402,7 @@ def _main() -> None:
         return
     if sys.argv[1] == "controlled":
         check_controlled_launch_follows_alpha("cpu")
+        check_launched_drafts_through_admission_and_preemption("cpu")
         print("ok controlled")
         return
     for variant in sys.argv[1].split(","):
