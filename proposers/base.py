@@ -5,7 +5,11 @@ A proposer is built once per engine from the proposer registry as
 target (device, dtype, shape, embedding and head, an attention backend for a model of its own), never
 the runner itself. Each step's ``sample_tokens`` first verifies the previous step's drafts, then
 calls :meth:`Proposer.propose` once for the whole batch with :class:`ProposerInputs`; the drafts
-go back to the scheduler in ``post_step`` and are verified by the target in the next step.
+go back to the scheduler in ``post_step`` and are verified by the target in the next step. After a
+uniform greedy verification on a runner that keeps token rows on the device, a proposer with
+``launches`` is first offered :meth:`Proposer.launch` (:class:`LaunchInputs`, device tensors the
+host has not read): drafts it returns stay on the device, the scheduler gets placeholders, and
+``propose`` is not called for that step.
 
 ``ProposerInputs`` carries what any proposer needs, even where one ignores it: n-gram reads only
 the token ids; a draft model adds its own KV cache over the target's block table; EAGLE and MTP
