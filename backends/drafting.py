@@ -84,7 +84,8 @@ class DraftingStage:
         # a step appends its few new tokens instead of converting the whole list again.
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}
         # Launching proposals from the device (``launcher``): where their drafts go, this step's
-        # launch, and per request the launch (and row) its placeholder drafts stand for.
+        # launch, the last one until its host copy is read, and per request the values its
+        # placeholder drafts stand for.
         self.write_drafts: DraftWriter | None = None
         self._launched: DeviceDrafts | None = None  # this step's launch
         self._unread: DeviceDrafts | None = None  # the last step's, until its copy is read
@@ -173,8 +174,9 @@ class DraftingStage:
     def launcher(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                  requests: dict[str, CachedRequestState], grammar: object) -> Callable[[torch.Tensor], None] | None:
         """For a step the stage will propose after: when it is a uniform verification (``q`` rows
-        a request, all sampled) with no structured output (``grammar`` is the step's bitmask), a function the sampler calls with the
-        target's greedy tokens still on the device. It computes each request's accepted rows
+        a request, all sampled) with no structured output (``grammar``: the step's bitmask), a
+        function the sampler calls with the target's greedy tokens still on the device. It
+        computes each request's accepted rows
         there, launches the proposer's whole proposal from them (``Proposer.launch``), writes the
         drafts into the device token rows and starts their copy to the host. ``propose`` then
         returns placeholders, and :meth:`resolve` their values at the next step."""
