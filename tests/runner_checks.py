@@ -221,6 +221,9 @@ def _eager_captures(monkeypatch: Any) -> list:
     return captured
 
 
+MODES = ("none", "eager", "graphs")
+
+
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16) -> None:
     """The greedy graph paths of a proposer (EAGLE-3 and MTP: the whole proposal of a uniform step,
     its first step over every target row, after a verification launched from the device with the
@@ -229,7 +232,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     chain), run eagerly on the graphs' static buffers under the Triton kernels, positions and slots
     computed on the device: the same drafts, step by step, as the proposer's eager path, and the
     same output as without drafts. Drafting runs in runs (a scripted policy), so EAGLE-3 and MTP
-    also keep up after the steps without drafts (their one-row feed graph)."""
+    also keep up after the steps without drafts (their one-row feed graph). EAGLE-3 runs while
+    requests come and go, with a preemption and a sampled request."""
     from pathlib import Path
 
     from scripted_policy import Alternating
@@ -245,16 +249,24 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     else:
         path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
                                                    "model": str(root / f"specloop-tiny-{method}")}
-    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs, drafts, replays = {}, {}, {}
-    # "host": the graphs with gpu option device_proposals off (EAGLE-3 only): no launch, same drafts.
-    modes = ("none", "eager", "graphs", "host") if method == "eagle3" else ("none", "eager", "graphs")
+    if method == "eagle3":
+        # Requests come and go: two run at a time out of five, in a KV pool small enough to preempt,
+        # and one samples (its steps verify on the reference path, which needs the placeholders'
+        # values). "host": the graphs with the gpu option device_proposals off: no launch.
+        batch = [{"prompt_token_ids": p} for p in prompts(4, seed=9, min_len=6, max_len=12)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (28, 8, 26)]
+        params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True))
+        engine, modes, greedy = dict(max_num_seqs=2, block_size=16, num_kv_blocks=5), MODES + ("host",), 3
+    else:
+        batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine, modes, greedy = dict(max_num_seqs=4), MODES, 3
+    outs, drafts, replays, preempted = {}, {}, {}, 0
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
             captured = _eager_captures(monkeypatch) if mode in ("graphs", "host") else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                      max_model_len=64, max_num_seqs=4, speculative_config=None if mode == "none" else spec,
+                      max_model_len=64, **engine, speculative_config=None if mode == "none" else spec,
                       plugin_options={"gpu": {"device_proposals": mode != "host"}})
         try:
             if mode != "none":
@@ -276,6 +288,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
             if mode != "none":
                 drafts[mode] = seen
             if mode == "graphs":
+                preempted = llm.get_metrics()["num_preemptions"]
                 replays = {"steps": prop.chain.num_replays,
                            **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()},
                            "launched": sum(d is not None for d in launched)}
@@ -285,10 +298,11 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 assert not any(d is not None for d in launched), (method, mode, "launched")
         finally:
             llm.core.shutdown()
-    assert outs["eager"] == outs["none"] and outs["graphs"] == outs["none"], (method, outs)
+    # Greedy outputs are the target's; a sampled one is the same whichever path drafted for it.
+    assert all(outs[m][:greedy] == outs["none"][:greedy] and outs[m] == outs["eager"] for m in modes[1:]), outs
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
-    assert drafts["graphs"] == drafts["eager"] and len(drafts["eager"]) > 5, (method, drafts)
-    assert drafts.get("host", drafts["eager"]) == drafts["eager"] and outs.get("host", outs["none"]) == outs["none"]
+    assert all(drafts[m] == drafts["eager"] for m in modes[1:]) and len(drafts["eager"]) > 5, (method, drafts)
+    assert method != "eagle3" or preempted > 0, "the pool never preempted"
     # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
     assert (replays["launched"] > 0) is (method != "draft_model"), replays
     # The draft model feeds two tokens after a step that accepted every draft; the heads and MTP
@@ -310,8 +324,8 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     root = Path(__file__).resolve().parent.parent / "default_models"
     engine = dict(model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
                   max_num_seqs=4)
-    batch = [{"prompt_token_ids": p} for p in prompts(4, seed=7, min_len=6, max_len=10)]
-    params = SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=7, min_len=6, max_len=10)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain = LLM(str(root / "specloop-tiny"), **engine)
     try:
         want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
@@ -338,45 +352,7 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     assert got == want and not prop.diverged, (got, want, prop.diverged)
     assert sum(d is not None for d in launched) > 10, len(launched)
     first = m["spec_num_accepted_tokens_per_pos"][0] / m["spec_num_drafts"]
-    assert m["spec_num_drafts"] > 50 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
-
-
-def check_launched_drafts_through_admission_and_preemption(device: str) -> None:
-    """EAGLE-3 launched from the device (graphs run eagerly, as above) while requests come and go:
-    two running at a time out of five, a KV pool small enough to preempt, one sampled request among
-    greedy ones (its steps verify on the reference path, which needs the placeholders' values).
-    Greedy outputs equal the run without drafts; proposals were launched; something was preempted."""
-    from pathlib import Path
-
-    from specloop import LLM, SamplingParams
-
-    root = Path(__file__).resolve().parent.parent / "default_models"
-    engine = dict(model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-                  max_num_seqs=2, block_size=16, num_kv_blocks=5)
-    batch = [{"prompt_token_ids": p} for p in prompts(5, seed=9, min_len=6, max_len=12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 9, 28, 14)]
-    params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(root / "specloop-tiny-eagle3")}
-    outs, launched, metrics = {}, [], {}
-    for mode in ("none", "graphs"):
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            _eager_captures(monkeypatch)
-            llm = LLM(str(root / "specloop-tiny"), **engine, speculative_config=spec if mode == "graphs" else None)
-        try:
-            if mode == "graphs":
-                runner = llm.core.runner
-                runner.drafter.pad_drafts = True
-                prop = runner.drafter.proposer
-                launch = prop.launch
-                prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
-            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-            metrics[mode] = llm.get_metrics()
-        finally:
-            llm.core.shutdown()
-    assert outs["graphs"][:4] == outs["none"][:4], outs
-    assert len(outs["graphs"][4]) == 12
-    assert sum(d is not None for d in launched) > 3, len(launched)
-    assert metrics["graphs"]["num_preemptions"] > 0 and metrics["graphs"]["spec_num_accepted_tokens"] > 0, metrics
+    assert m["spec_num_drafts"] > 40 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
 
 
 def _recording(sample: Any, seen: list) -> Any:
@@ -402,7 +378,6 @@ def _main() -> None:
         return
     if sys.argv[1] == "controlled":
         check_controlled_launch_follows_alpha("cpu")
-        check_launched_drafts_through_admission_and_preemption("cpu")
         print("ok controlled")
         return
     for variant in sys.argv[1].split(","):
