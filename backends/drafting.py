@@ -284,7 +284,7 @@ class DraftingStage:
         """The proposer's inputs for batch requests ``idx``, less the hidden states."""
         reqs = [requests[batch.req_ids[i]] for i in idx]
         num_drafts = [len(batch.spec_token_ids[i]) for i in idx]
-        inputs = ProposerInputs(
+        return ProposerInputs(
             req_ids=[r.req_id for r in reqs],
             token_ids=[self._token_array(r) for r in reqs],  # this step's tokens included
             num_prompt_tokens=np.array([r.num_prompt_tokens for r in reqs], dtype=np.int64),
@@ -298,7 +298,6 @@ class DraftingStage:
             block_ids=[r.block_ids for r in reqs],
             plan=plan,
         )
-        return inputs
 
     def _propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
                  aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],

@@ -250,13 +250,13 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
         path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
                                                    "model": str(root / f"specloop-tiny-{method}")}
     if method == "eagle3":
-        # Requests come and go: two run at a time out of five, in a KV pool small enough to preempt,
+        # Requests come and go: two run at a time out of four, in a KV pool small enough to preempt,
         # and one samples (its steps verify on the reference path, which needs the placeholders'
-        # values). "host": the graphs with the gpu option device_proposals off: no launch.
+        # values).
         batch = [{"prompt_token_ids": p} for p in prompts(4, seed=9, min_len=6, max_len=12)]
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (28, 8, 26)]
         params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True))
-        engine, modes, greedy = dict(max_num_seqs=2, block_size=16, num_kv_blocks=5), MODES + ("host",), 3
+        engine, modes, greedy = dict(max_num_seqs=2, block_size=16, num_kv_blocks=5), MODES, 3
     else:
         batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -264,10 +264,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     outs, drafts, replays, preempted = {}, {}, {}, 0
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            captured = _eager_captures(monkeypatch) if mode in ("graphs", "host") else []
+            captured = _eager_captures(monkeypatch) if mode == "graphs" else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                      max_model_len=64, **engine, speculative_config=None if mode == "none" else spec,
-                      plugin_options={"gpu": {"device_proposals": mode != "host"}})
+                      max_model_len=64, **engine, speculative_config=None if mode == "none" else spec)
         try:
             if mode != "none":
                 runner = llm.core.runner
@@ -275,7 +274,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
                 runner.drafter.policy = Alternating(on=3, off=2)
                 # the feeds' graph sets, keep_up's, then the chain's (captured last)
-                assert prop.graphs_on is (mode in ("graphs", "host"))
+                assert prop.graphs_on is (mode == "graphs")
                 order = [*prop.feed_graphs.values(), getattr(prop, "follow", None), prop.chain]
                 assert captured == ([g for g in order if g is not None] if prop.graphs_on else []), captured
                 seen: list = []
@@ -294,7 +293,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                            "launched": sum(d is not None for d in launched)}
                 if getattr(prop, "follow", None) is not None:
                     replays["keep up"] = prop.follow.num_replays
-            elif mode in ("eager", "host"):
+            elif mode == "eager":
                 assert not any(d is not None for d in launched), (method, mode, "launched")
         finally:
             llm.core.shutdown()
@@ -324,8 +323,8 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     root = Path(__file__).resolve().parent.parent / "default_models"
     engine = dict(model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True, max_model_len=64,
                   max_num_seqs=4)
-    batch = [{"prompt_token_ids": p} for p in prompts(3, seed=7, min_len=6, max_len=10)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts(2, seed=7, min_len=6, max_len=10)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = LLM(str(root / "specloop-tiny"), **engine)
     try:
         want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
@@ -352,7 +351,7 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     assert got == want and not prop.diverged, (got, want, prop.diverged)
     assert sum(d is not None for d in launched) > 10, len(launched)
     first = m["spec_num_accepted_tokens_per_pos"][0] / m["spec_num_drafts"]
-    assert m["spec_num_drafts"] > 40 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
+    assert m["spec_num_drafts"] > 30 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
 
 
 def _recording(sample: Any, seen: list) -> Any:
@@ -367,18 +366,15 @@ def _recording(sample: Any, seen: list) -> Any:
 
 def _main() -> None:
     """``runner_checks.py VARIANT,...``: the runner checks; ``runner_checks.py drafts``: the
-    proposers' graph paths; ``runner_checks.py controlled``: the acceptance-controlled proposer on
-    the launched path (three processes, each within the test's time limit)."""
+    proposers' graph paths and the acceptance-controlled proposer on the launched path (two
+    processes, each within the test's time limit)."""
     import sys
 
     if sys.argv[1] == "drafts":
         for method in ("eagle3", "mtp", "draft_model"):
             check_draft_graphs_match_eager("cpu", method)
-        print("ok drafts")
-        return
-    if sys.argv[1] == "controlled":
         check_controlled_launch_follows_alpha("cpu")
-        print("ok controlled")
+        print("ok drafts")
         return
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
