@@ -35,7 +35,7 @@ from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
-from .drafting import DraftingStage, StepRecord
+from .drafting import DraftingStage, DraftWriter, StepRecord
 from .executor import EagerExecutor, ForwardOutput, GraphKey
 from .pending import DeviceClock, PendingOutput, provisional
 from .requests import CachedRequestState, PlanChanges, apply_plan
@@ -83,7 +83,7 @@ class RunnerParts:
     sampler: Sampler
     # Writes drafts proposed on the device into the builder's device token rows, when it keeps them
     # there: proposals may then be launched from the device (``DraftingStage.launcher``).
-    write_drafts: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    write_drafts: DraftWriter | None = None
 
 
 class Platform(Protocol):
