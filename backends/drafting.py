@@ -6,10 +6,10 @@ to a proposer with ``runs_on_prefill_chunks``, those that computed a prefill chu
 With ``pad_drafts`` (set when the executor replays CUDA graphs of uniform batches), every request
 that sampled gets as many drafts as the longest in the batch, where ``max_model_len`` allows (not
 ``max_tokens``: the scheduler drops tokens past a stop): a request with fewer repeats its last
-draft (or its newest token). A padded draft is a deterministic
-proposal like any other, so verification stays exact (greedy output is unchanged; sampled output
-still follows the target); it costs a few more verified tokens and turns a ragged decode batch,
-which would run eagerly, into one a graph replays. Padded drafts count as drafts in the metrics.
+draft (or its newest token). A padded draft is a deterministic proposal like any other, so
+verification stays exact (greedy output is unchanged; sampled output still follows the target);
+it costs a few more verified tokens and turns a ragged decode batch, which would run eagerly, into
+one a graph replays. Padded drafts count as drafts in the metrics.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ class DraftingStage:
 
     def attach(self, executor: object, write_drafts: DraftWriter | None) -> None:
         """Pad drafts when the executor replays uniform batches; launch proposals from the device
-        when the platform supplies ``write_drafts`` (one rank: every rank would have to launch
-        alike)."""
+        when the platform supplies ``write_drafts`` (one rank: all would have to launch alike)."""
         self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
         self.write_drafts = write_drafts if self.config.tensor_parallel_size == 1 else None
 
@@ -135,13 +134,12 @@ class DraftingStage:
 
     def remove(self, req_ids: frozenset[str], finished: frozenset[str]) -> None:
         for rid in req_ids:
-            self.draft_probs.pop(rid, None)
-            self._arrays.pop(rid, None)
-            self._on_device.pop(rid, None)
-        if self._unread is not None and req_ids:
-            self._unread.rows = [(rid, row) for rid, row in self._unread.rows if rid not in req_ids]
+            for kept in (self.draft_probs, self._arrays, self._on_device):
+                kept.pop(rid, None)
         if req_ids:
             self.proposer.remove_requests(req_ids)
+            if self._unread is not None:
+                self._unread.rows = [(rid, row) for rid, row in self._unread.rows if rid not in req_ids]
         if finished:
             self.policy.forget(list(finished))
 
@@ -231,13 +229,15 @@ class DraftingStage:
         return drafts
 
     def after(self, batch: InputBatch, record: StepRecord | None) -> tuple[bool, bool]:
-        """What follows this step's sampling: ``(propose, keep_up)``. A proposer that keeps up
-        does so only after a plain decode step; any other step it sees whole (drafting nothing),
-        and then the step does not overlap."""
+        """What follows this step's sampling: ``(propose, keep_up)``, or neither (``skip``). A
+        proposer keeps up only after a plain decode step; any other it sees whole (drafting
+        nothing), and then the step does not overlap."""
         propose = record is None or record.propose
         keep_up = not propose and not self.proposer.catches_up
         if keep_up and not is_plain_decode(batch):
             keep_up, propose, record.propose = False, True, True
+        if not (propose or keep_up):
+            self.proposer.skip()
         return propose, keep_up
 
     def keep_up(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],

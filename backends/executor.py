@@ -8,7 +8,7 @@ backend, KV caches and op set. The GPU runner composes a CUDA-graph executor aro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -19,6 +19,10 @@ from specloop.models.context import ForwardContext
 from specloop.models.ops import Ops
 
 from .batch import InputBatch
+
+
+# A proposer's ``record(hidden_states, aux_hidden_states, slot_mapping)`` (``Proposer.record``).
+Recorder = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +47,12 @@ class EagerExecutor:
     SHORT_PROMPTS = (2, 16, 48)  # new tokens per sequence spanning the attention kernel's tile heights
 
     def __init__(self, model: nn.Module, ops: Ops, attn_backend: AttentionBackend,
-                 aux_layers: Sequence[int] = ()) -> None:
+                 aux_layers: Sequence[int] = (), record: Recorder | None = None) -> None:
         self.model = model
         self.ops = ops
         self.attn_backend = attn_backend
         self.aux_layers = tuple(aux_layers)
+        self.record = record  # a proposer's ``record``, called inside every forward
         self.kv_caches: list[torch.Tensor] = []
 
     def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
@@ -60,6 +65,8 @@ class EagerExecutor:
         with torch.inference_mode():
             hidden, aux = self.model(batch.input_ids, batch.positions, self.context(batch.attn_metadata),
                                      aux_layers=self.aux_layers)
+            if self.record is not None:
+                self.record(hidden, aux, batch.attn_metadata.slot_mapping)
         return ForwardOutput(hidden, aux)
 
     def profile(self, num_tokens: int, num_logit_rows: int, kv_caches: list[torch.Tensor], block_size: int,

@@ -36,7 +36,7 @@ from specloop.sampling.structured_outputs import GrammarBitmask
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
 from .drafting import DraftingStage, DraftWriter, StepRecord
-from .executor import EagerExecutor, ForwardOutput, GraphKey
+from .executor import EagerExecutor, ForwardOutput, GraphKey, Recorder
 from .pending import DeviceClock, PendingOutput, provisional
 from .requests import CachedRequestState, PlanChanges, apply_plan
 from .sampling_stage import SampleResult, SamplingStage, compute_logits
@@ -113,7 +113,8 @@ class TorchPlatform:
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
         return RunnerParts(HostBatchBuilder(runner.block_size, runner.device),
-                           EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers),
+                           EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers,
+                                         runner.recorder),
                            SamplingStage(runner.model, runner.vocab_size, runner.device))
 
     def kv_allocated(self, runner: ModelRunner) -> None:
@@ -177,6 +178,12 @@ class ModelRunner:
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.drafter.aux_layers if self.drafter is not None else ()
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The proposer's ``record``, for the executor to call inside every forward."""
+        proposer = self.drafter.proposer if self.drafter is not None else None
+        return proposer.record if proposer is not None and proposer.records_hidden_states else None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

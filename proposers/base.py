@@ -189,10 +189,11 @@ class Proposer(ABC):
     # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions (MTP)
     # builds it from every chunk's hidden states.
     runs_on_prefill_chunks: bool = False
-    # May skip steps: a call after steps it never saw rebuilds what it needs from the token ids (a
-    # draft model feeds the tokens it missed; n-gram keeps no state). The runner then skips the
-    # call in steps that draft nothing, which asynchronous scheduling overlaps; a proposer whose
-    # cache is fed the target's hidden states of every step keeps being called.
+    # May skip steps: a call after steps it never saw rebuilds what it needs (a draft model feeds
+    # the tokens it missed; EAGLE feeds the hidden states it recorded; n-gram keeps no state). The
+    # runner then skips the call in steps that draft nothing, which asynchronous scheduling
+    # overlaps; a proposer whose cache is fed the target's hidden states of every step, and that
+    # does not record them, keeps being called (``keeps_up``).
     catches_up: bool = False
     # Implements keep_up: after a decode step the policy drafts nothing for, it brings its per-step
     # state up to date from device tensors, with no host read, so that step can overlap too.
@@ -200,6 +201,10 @@ class Proposer(ABC):
     # Implements launch: its greedy proposal can start from device tensors, before the host reads
     # the verification.
     launches: bool = False
+    # Implements record: the target's forward hands it every row's hidden states as it computes
+    # them (inside the target's CUDA graphs too), so a proposer whose cache is built from them can
+    # skip steps and catch up later from what it recorded (``catches_up``).
+    records_hidden_states: bool = False
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config
@@ -230,6 +235,17 @@ class Proposer(ABC):
         called once the host has the step's tokens. The runner keeps as many of each request's
         drafts as :func:`draft_limits` allows and reads them one step late."""
         return None
+
+    def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+               slot_mapping: torch.Tensor) -> None:
+        """With ``records_hidden_states``: called inside every target forward (and captured in its
+        CUDA graphs, so device work only, no host reads) with the rows' final hidden states, the
+        tapped layers' streams and each row's KV-cache slot (-1: a padding row that owns none)."""
+        raise NotImplementedError(f"{type(self).__name__} does not record hidden states")
+
+    def skip(self) -> None:
+        """Called once for each step after which the runner does not call this proposer (one that
+        ``catches_up``, in a step the policy drafts nothing after)."""
 
     def keep_up(self, step: KeepUpInputs) -> None:
         """Instead of ``propose`` (with ``keeps_up``), after a decode step of one row per

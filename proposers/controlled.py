@@ -51,6 +51,7 @@ class ControlledProposer(Proposer):
         self.needs_hidden_states = self.inner.needs_hidden_states
         self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
         self.catches_up, self.keeps_up, self.launches = self.inner.catches_up, self.inner.keeps_up, self.inner.launches
+        self.records_hidden_states = self.inner.records_hidden_states
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
         self.diverged: set[str] = set()
@@ -66,6 +67,13 @@ class ControlledProposer(Proposer):
 
     def keep_up(self, step: KeepUpInputs) -> None:
         self.inner.keep_up(step)
+
+    def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+               slot_mapping: torch.Tensor) -> None:
+        self.inner.record(hidden_states, aux_hidden_states, slot_mapping)
+
+    def skip(self) -> None:
+        self.inner.skip()
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         self.inner.propose(inputs)  # its cost is what is being measured

@@ -7,17 +7,17 @@ residual streams entering three target layers, tapped during the target's own fo
 position the target computed, the head's own output for the positions it drafts.
 
 Cache. The head's paged KV cache has the target's blocks and is indexed by the target's block
-table, so it is allocated, preempted, freed and prefix-cached with the target's. Every step feeds
-the head every position the target computed in that step (prefill chunks too, hence
-``runs_on_prefill_chunks``) except rejected drafts, with the target's hidden states; that overwrites
-whatever the previous step drafted there, so the cache below the newest token always holds
-target-fed entries, rolled back with the target by construction and with no per-request state.
-One approximation: a prefix-cache hit ending at position ``p`` reuses the head's entry for ``p``,
-which paired ``p``'s hidden state with the token after it *in the request that wrote the block*.
-Where the new request continues with another token (its prompt diverges from the cached one
-exactly at a block boundary) that one entry was built from the other token; the block is shared,
-so it cannot be right for both. Outputs are unaffected (the target verifies every draft); only
-that request's acceptance can dip. (vLLM recomputes the last hit block instead.)
+table, so it is allocated, preempted, freed and prefix-cached with the target's. Its entry for
+position ``p`` needs only the target's state at ``p`` and the token after it, so the proposer
+records the target's states as the target computes them (``record``, inside the target's forward
+and its CUDA graphs: one row per KV slot, the head's input after EAGLE-3's ``fc``) and feeds the
+head lazily: a proposal first feeds each request every position its cache lacks below the newest
+token, from that record (``catches_up``). A request proposed for in every step lacks exactly the
+step's rows; after steps the speculation policy drafted nothing for (which then cost the head
+nothing) it lacks those steps' positions too, and a new request its whole prompt, prefix-cache hits
+included (the record of a cached block is the target's, so a hit needs no recomputation). Rows of
+rejected drafts leave entries past the newest token, rewritten before anything reads them, so the
+cache below the newest token always holds target-fed entries.
 
 Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
 step feeds one draft at the next position with the previous step's output as its hidden state.
@@ -33,7 +33,7 @@ greedy further steps replay one graph (``ChainGraphs``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from specloop.models.attention import AttentionMetadata
 from specloop.models.context import ForwardContext
 from specloop.models.loader import resolve_dtype
 
-from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
@@ -56,9 +56,9 @@ class EagleProposer(Proposer):
 
     version = 1
     needs_hidden_states = True
-    keeps_up = True
+    catches_up = True
+    records_hidden_states = True
     launches = True
-    runs_on_prefill_chunks = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -81,16 +81,27 @@ class EagleProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
-        self.follow: StepGraphs | None = None  # keep_up's feed of one row per request
+        # The target's states by KV slot (the last row takes padding rows), and per request how far
+        # the head's cache is fed: (positions fed, -1), or (first position + 1, skips) after a
+        # launch, whose accepted count the host has not read: then exactly up to the next step's
+        # first position, unless a step was skipped since (counted by ``skip``).
+        self.store = torch.empty(0)
+        self.fed: dict[str, tuple[int, int]] = {}
+        self.skips = 0
+        self.max_rows = max(config.max_num_batched_tokens or 8192, 1024)  # per catch-up forward
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+        record = self.block_size * self.head_config.hidden_size * self.dtype.itemsize
+        return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize) + record
 
     def initialize(self, num_kv_blocks: int) -> None:
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.chain, self.feed_graphs, self.follow = None, {}, None
+        self.store = torch.zeros(num_kv_blocks * self.block_size + 1, mc.hidden_size, dtype=self.dtype,
+                                 device=self.device)
+        self.fed.clear()
+        self.chain, self.feed_graphs = None, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
             c = self.config
@@ -99,13 +110,29 @@ class EagleProposer(Proposer):
             self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
                                              self.num_speculative_tokens, [hidden], step=self._step,
                                              argmax=self._argmax)
-            self.follow = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                     extra=[hidden], pool=last_pool(self.feed_graphs))
-            self.follow.capture()
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                         self.num_speculative_tokens - 1, hidden, pool=self.follow.pool)
+                                         self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
                 self.chain.capture()
+
+    def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+               slot_mapping: torch.Tensor) -> None:
+        rows = min(len(slot_mapping), len(hidden_states))
+        slots = slot_mapping[:rows].to(torch.int64)
+        slots = torch.where(slots >= 0, slots, self.store.shape[0] - 1)
+        self.store.index_copy_(0, slots, self._head_input(hidden_states[:rows], [a[:rows] for a in aux_hidden_states]))
+
+    def skip(self) -> None:
+        self.skips += 1
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.fed.pop(rid, None)
+
+    def _valid(self, rid: str, first: int) -> int:
+        """Positions of request ``rid`` the head's cache holds, for a step whose rows start at ``first``."""
+        fed, skips = self.fed.get(rid, (0, -1))
+        return first if skips == self.skips else fed
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,55 +154,52 @@ class EagleProposer(Proposer):
 
     def launch(self, step: LaunchInputs) -> torch.Tensor | None:
         """The whole greedy proposal's graph, fed from the device: row ``j``'s next token is the
-        target's token after it (a draft it accepted, or its own token at the newest row)."""
+        target's token after it (a draft it accepted, or its own token at the newest row). Only
+        when the head's cache holds every position before the step's rows."""
         n = len(step.req_ids)
         feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
-        if feed is None:
+        first = step.first.tolist()
+        if feed is None or not self._caught_up(step.req_ids, first):
             return None
         with torch.inference_mode():
             hidden = self._target_hidden(step, slice(0, n * step.q))
-            return feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted, hidden)[1][:n]
+            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted, hidden)[1][:n]
+        self.fed.update(zip(step.req_ids, ((f + 1, self.skips) for f in first)))
+        return drafts
 
-    def keep_up(self, step: KeepUpInputs) -> None:
-        """Each request's newest position into the head's cache (its hidden state with the token
-        sampled after it, still on the device), as a proposal's first step would write it."""
-        n = len(step.req_ids)
-        with torch.inference_mode():
-            hidden = self._target_hidden(step, slice(0, n))
-            if self.follow is not None and self.follow.fits(n):
-                self.follow.run(step.next_token_ids, step.positions, step.block_ids, hidden)
-            else:
-                self._forward(step, range(n), step.next_token_ids, hidden, step.positions, list(range(n + 1)))
+    def _caught_up(self, req_ids: Sequence[str], first: Sequence[int]) -> bool:
+        return all(self._valid(rid, f) == f for rid, f in zip(req_ids, first))
 
     def _propose(self, inputs: ProposerInputs) -> DraftProposal:
         n = inputs.num_reqs
         limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
-        # Feed every row the target computed, less the rejected drafts at the end of each request.
         qsl = inputs.query_start_loc
-        counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
+        first = inputs.positions[qsl[:-1]]
+        newest = np.array([len(t) - 1 for t in inputs.token_ids], dtype=np.int64)
+        # A step's rows, less the rejected drafts at the end of each request, when the cache holds
+        # everything before them (one graph when uniform); else every position it lacks.
         feed = uniform_feed(self.feed_graphs, inputs.num_sampled, qsl)
+        caught_up = self._caught_up(inputs.req_ids, first.tolist())
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
         live = [i for i in range(n) if limits[i] > 0]
-        if feed is not None:
+        if feed is not None and caught_up:
+            counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
             out, greedy, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
+            self.fed.update(zip(inputs.req_ids, ((int(m), -1) for m in newest)))
             if live and self.graphs_on and plain_greedy(inputs, live):
                 rows = greedy[:n].tolist()  # the whole proposal was in the graph
                 take_drafts([rows[i] for i in live], live, limits, drafts)
                 return DraftProposal(drafts, [None] * n)
+            out = out[torch.as_tensor(last_rows[live], device=self.device)]
         else:
-            rows = np.concatenate([np.arange(qsl[i], qsl[i] + counts[i]) for i in range(n)])
-            positions = inputs.positions[rows]
-            feed_qsl = np.concatenate([[0], np.cumsum(counts)])
-            next_ids = np.concatenate([inputs.token_ids[i][positions[feed_qsl[i]:feed_qsl[i + 1]] + 1]
-                                       for i in range(n)])
-            last_rows = feed_qsl[1:] - 1
-            last_pos = positions[last_rows]
-            hidden = self._target_hidden(inputs, torch.as_tensor(rows, device=self.device))
-            out = self._forward(inputs, list(range(n)), next_ids, hidden, positions, feed_qsl.tolist())
+            start = np.array([self._valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)], dtype=np.int64)
+            out = self._catch_up(inputs, start, newest)
+            self.fed.update(zip(inputs.req_ids, ((int(m), -1) for m in newest)))
+            last_pos = newest - 1
+            out = out[torch.as_tensor(live, device=self.device, dtype=torch.int64)]
         if not live:
             return DraftProposal(drafts, [None] * n)
-        out = out[torch.as_tensor(last_rows[live], device=self.device)]
         if greedy_graphed(self.graphs_on, self.chain, limits[live]) and plain_greedy(inputs, live):
             greedy_drafts(self.chain, live, limits, last_pos, inputs.block_ids, out, self._argmax(out), drafts)
             return DraftProposal(drafts, [None] * n)
@@ -196,6 +220,38 @@ class EagleProposer(Proposer):
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
+    def _catch_up(self, inputs: ProposerInputs, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
+        """Feed request ``i``'s positions ``start[i] .. end[i] - 1`` (at least the last) from the
+        recorded states, in forwards of at most ``max_rows`` rows (a long prompt in several, in
+        order); returns each request's output at its last position ``[n, H]``."""
+        bs, cap = self.block_size, self.max_rows
+        pieces: list[tuple[int, int, int]] = []  # (request, first position, end)
+        for i, (s, e) in enumerate(zip(start.tolist(), end.tolist())):
+            s = min(s, e - 1)
+            while e - s > cap:
+                pieces.append((i, s, s + cap))
+                s += cap
+            pieces.append((i, s, e))
+        last = torch.empty(len(start), self.head_config.hidden_size, dtype=self.dtype, device=self.device)
+        group: list[tuple[int, int, int]] = []
+        for k, piece in enumerate(pieces):
+            group.append(piece)
+            rows = sum(e - s for _, s, e in group)
+            if k + 1 < len(pieces) and rows + pieces[k + 1][2] - pieces[k + 1][1] <= cap:
+                continue
+            positions = np.concatenate([np.arange(s, e) for _, s, e in group])
+            qsl = np.concatenate([[0], np.cumsum([e - s for _, s, e in group])])
+            slots = np.concatenate([np.asarray(inputs.block_ids[i], dtype=np.int64)[np.arange(s, e) // bs] * bs
+                                    + np.arange(s, e) % bs for i, s, e in group])
+            ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
+            hidden = self.store[torch.as_tensor(slots, device=self.device)]
+            out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
+            ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
+            index = torch.as_tensor([group[j][0] for j in ends], device=self.device)
+            last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, device=self.device)]
+            group = []
+        return last
+
     def _feed_graph(self, inputs: ProposerInputs, feed: ProposalGraphs, counts: np.ndarray
                     ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
         """The uniform first step replayed from a graph: all ``q`` rows of every request, the rows
@@ -210,13 +266,16 @@ class EagleProposer(Proposer):
                                    self._target_hidden(inputs, slice(0, n * q)))
         return out, greedy, np.arange(n) * q + counts - 1, first + counts - 1
 
-    def _target_hidden(self, inputs: ProposerInputs | KeepUpInputs | LaunchInputs, rows: torch.Tensor | slice
-                       ) -> torch.Tensor:
+    def _target_hidden(self, inputs: ProposerInputs | LaunchInputs, rows: slice) -> torch.Tensor:
+        return self._head_input(inputs.hidden_states[rows], [a[rows] for a in inputs.aux_hidden_states])
+
+    def _head_input(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The head's state input for target rows: EAGLE-3's ``fc`` over the tapped streams, else
+        the target's final state."""
         head = self.head
         if isinstance(head, Eagle3Head) and head.fc is not None:
-            aux = inputs.aux_hidden_states
-            return head.fc(torch.cat([aux[k][rows] for k in self.aux_order], dim=-1).to(self.dtype))
-        return inputs.hidden_states[rows].to(self.dtype)
+            return head.fc(torch.cat([aux[k] for k in self.aux_order], dim=-1).to(self.dtype))
+        return hidden.to(self.dtype)
 
     def _forward(self, inputs: ProposerInputs, reqs: Sequence[int], token_ids: np.ndarray, hidden: torch.Tensor,
                  positions: np.ndarray, qsl: list[int]) -> torch.Tensor:

@@ -112,6 +112,8 @@ class GraphExecutor:
 
         def run() -> None:
             hidden, aux = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx, aux_layers=eager.aux_layers)
+            if eager.record is not None:
+                eager.record(hidden, aux, pb.slot_mapping[:tokens])
             self.hidden[:tokens].copy_(hidden)
             for buffer, tapped in zip(self.aux, aux):
                 buffer[:tokens].copy_(tapped)

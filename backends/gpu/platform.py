@@ -62,7 +62,7 @@ class GpuPlatform:
         max_len = (c.max_model_len or 2048) + k + 1
         max_tokens = max(c.max_num_batched_tokens or 8192, c.max_num_seqs * (k + 1))
         batch = PersistentBatch(c.max_num_seqs, max_len, runner.block_size, max_tokens, runner.device)
-        eager = EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers)
+        eager = EagerExecutor(runner.model, runner.ops, runner.attn_backend, runner.aux_layers, runner.recorder)
         executor: EagerExecutor | GraphExecutor = eager
         if (self.cuda_graphs and self.fused and runner.device.type == "cuda"
                 and isinstance(runner.attn_backend, TritonAttentionBackend)):
