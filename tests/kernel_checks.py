@@ -7,6 +7,8 @@ first so an unwritten element fails the comparison. Not collected by pytest (no 
 
 from __future__ import annotations
 
+import os
+
 import mla_moe_checks
 import torch
 
@@ -210,10 +212,34 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
         assert rel_err(out, want) < TOL[dtype] / 10, "silu_and_mul differs"
 
 
+def _rowwise_interpreter_dot() -> None:
+    """Under ``TRITON_INTERPRET`` a ``tl.dot`` tile is numpy's matmul, whose BLAS may round a row
+    differently by where it sits in the tile (numpy 2.4's does, by one ulp); a GPU's MMA tile does
+    not. Each row of an interpreted dot is then computed alone, so that the batch-invariance checks
+    test the kernel's own tiling and reduction order."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    class RowwiseNumpy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        @staticmethod
+        def matmul(a: np.ndarray, b: np.ndarray, **kwargs: object) -> np.ndarray:
+            if a.ndim != 2:
+                return np.matmul(a, b, **kwargs)
+            return np.stack([np.matmul(row[None], b, **kwargs)[0] for row in a])
+
+    interpreter.np = RowwiseNumpy()
+
+
 def check_matmul(device: str, dtype: torch.dtype) -> None:
     """The batch-invariant matmul against ``F.linear``, and each row bit-identical whatever shares
     its launch (1, 5 or 70 rows, at any offset among them)."""
     from specloop.kernels.matmul import invariant_linear
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _rowwise_interpreter_dot()
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(70, 100, generator=gen).to(device=device, dtype=dtype)
