@@ -108,7 +108,7 @@ class EagleProposer(Proposer):
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
             self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
-                                             self.num_speculative_tokens, [hidden], step=self._step,
+                                             self.num_speculative_tokens, [], step=self._step,
                                              argmax=self._argmax)
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
@@ -121,6 +121,10 @@ class EagleProposer(Proposer):
         slots = slot_mapping[:rows].to(torch.int64)
         slots = torch.where(slots >= 0, slots, self.store.shape[0] - 1)
         self.store.index_copy_(0, slots, self._head_input(hidden_states[:rows], [a[:rows] for a in aux_hidden_states]))
+
+    def _recorded(self, slots: torch.Tensor) -> torch.Tensor:
+        """The recorded states at these slots (-1: the padding row)."""
+        return self.store[torch.where(slots >= 0, slots, self.store.shape[0] - 1)]
 
     def skip(self) -> None:
         self.skips += 1
@@ -141,12 +145,13 @@ class EagleProposer(Proposer):
         out = self.head(embeds, hidden, positions, ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops))
         return out, self._argmax(out)
 
-    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
-                   hidden: torch.Tensor) -> tuple[torch.Tensor]:
-        """The first step over ``q`` target rows per request: the head's output per row."""
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor]:
+        """The first step over ``q`` target rows per request, their states read from the record at
+        their slots (the target's forward wrote them): the head's output per row."""
         embeds = self.embed_tokens(token_ids).to(self.dtype)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
-        return (self.head(embeds, hidden, positions, ctx),)
+        return (self.head(embeds, self._recorded(meta.slot_mapping), positions, ctx),)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
@@ -162,8 +167,7 @@ class EagleProposer(Proposer):
         if feed is None or not self._caught_up(step.req_ids, first):
             return None
         with torch.inference_mode():
-            hidden = self._target_hidden(step, slice(0, n * step.q))
-            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted, hidden)[1][:n]
+            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
         self.fed.update(zip(step.req_ids, ((f + 1, self.skips) for f in first)))
         return drafts
 
@@ -244,7 +248,7 @@ class EagleProposer(Proposer):
             slots = np.concatenate([np.asarray(inputs.block_ids[i], dtype=np.int64)[np.arange(s, e) // bs] * bs
                                     + np.arange(s, e) % bs for i, s, e in group])
             ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
-            hidden = self.store[torch.as_tensor(slots, device=self.device)]
+            hidden = self._recorded(torch.as_tensor(slots, device=self.device))
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
             ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
             index = torch.as_tensor([group[j][0] for j in ends], device=self.device)
@@ -262,12 +266,8 @@ class EagleProposer(Proposer):
         n, q = inputs.num_reqs, feed.q
         first = inputs.positions[inputs.query_start_loc[:-1]]
         ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
-        out, greedy = feed.propose(ids, first, inputs.block_ids[:n], counts,
-                                   self._target_hidden(inputs, slice(0, n * q)))
+        out, greedy = feed.propose(ids, first, inputs.block_ids[:n], counts)
         return out, greedy, np.arange(n) * q + counts - 1, first + counts - 1
-
-    def _target_hidden(self, inputs: ProposerInputs | LaunchInputs, rows: slice) -> torch.Tensor:
-        return self._head_input(inputs.hidden_states[rows], [a[rows] for a in inputs.aux_hidden_states])
 
     def _head_input(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor]) -> torch.Tensor:
         """The head's state input for target rows: EAGLE-3's ``fc`` over the tapped streams, else
