@@ -46,6 +46,7 @@ from specloop.models.loader import resolve_dtype
 from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
+from .recorded import Recorded
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
@@ -81,26 +82,19 @@ class EagleProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
-        # The target's states by KV slot (the last row takes padding rows), and per request how far
-        # the head's cache is fed: (positions fed, -1), or (first position + 1, skips) after a
-        # launch, whose accepted count the host has not read: then exactly up to the next step's
-        # first position, unless a step was skipped since (counted by ``skip``).
-        self.store = torch.empty(0)
-        self.fed: dict[str, tuple[int, int]] = {}
-        self.skips = 0
-        self.max_rows = max(config.max_num_batched_tokens or 8192, 1024)  # per catch-up forward
+        # The head's input states of the target's rows, by KV slot, and how far each request is fed.
+        self.recorded = Recorded(self.head_config.hidden_size, self.dtype, self.device,
+                                 max(config.max_num_batched_tokens or 8192, 1024))
 
     def kv_cache_bytes_per_block(self) -> int:
-        record = self.block_size * self.head_config.hidden_size * self.dtype.itemsize
-        return self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize) + record
+        return (self.head_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+                + self.recorded.bytes_per_block(self.block_size))
 
     def initialize(self, num_kv_blocks: int) -> None:
         mc = self.head_config
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.store = torch.zeros(num_kv_blocks * self.block_size + 1, mc.hidden_size, dtype=self.dtype,
-                                 device=self.device)
-        self.fed.clear()
+        self.recorded.allocate(num_kv_blocks * self.block_size)
         self.chain, self.feed_graphs = None, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
@@ -118,25 +112,14 @@ class EagleProposer(Proposer):
     def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                slot_mapping: torch.Tensor) -> None:
         rows = min(len(slot_mapping), len(hidden_states))
-        slots = slot_mapping[:rows].to(torch.int64)
-        slots = torch.where(slots >= 0, slots, self.store.shape[0] - 1)
-        self.store.index_copy_(0, slots, self._head_input(hidden_states[:rows], [a[:rows] for a in aux_hidden_states]))
-
-    def _recorded(self, slots: torch.Tensor) -> torch.Tensor:
-        """The recorded states at these slots (-1: the padding row)."""
-        return self.store[torch.where(slots >= 0, slots, self.store.shape[0] - 1)]
+        self.recorded.write(self._head_input(hidden_states[:rows], [a[:rows] for a in aux_hidden_states]),
+                            slot_mapping[:rows])
 
     def skip(self) -> None:
-        self.skips += 1
+        self.recorded.skip()
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
-        for rid in req_ids:
-            self.fed.pop(rid, None)
-
-    def _valid(self, rid: str, first: int) -> int:
-        """Positions of request ``rid`` the head's cache holds, for a step whose rows start at ``first``."""
-        fed, skips = self.fed.get(rid, (0, -1))
-        return first if skips == self.skips else fed
+        self.recorded.forget(req_ids)
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +134,7 @@ class EagleProposer(Proposer):
         their slots (the target's forward wrote them): the head's output per row."""
         embeds = self.embed_tokens(token_ids).to(self.dtype)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
-        return (self.head(embeds, self._recorded(meta.slot_mapping), positions, ctx),)
+        return (self.head(embeds, self.recorded.read(meta.slot_mapping), positions, ctx),)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         with torch.inference_mode():
@@ -164,15 +147,12 @@ class EagleProposer(Proposer):
         n = len(step.req_ids)
         feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
         first = step.first.tolist()
-        if feed is None or not self._caught_up(step.req_ids, first):
+        if feed is None or not self.recorded.caught_up(step.req_ids, first):
             return None
         with torch.inference_mode():
             drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
-        self.fed.update(zip(step.req_ids, ((f + 1, self.skips) for f in first)))
+        self.recorded.launched(step.req_ids, first)
         return drafts
-
-    def _caught_up(self, req_ids: Sequence[str], first: Sequence[int]) -> bool:
-        return all(self._valid(rid, f) == f for rid, f in zip(req_ids, first))
 
     def _propose(self, inputs: ProposerInputs) -> DraftProposal:
         n = inputs.num_reqs
@@ -183,23 +163,23 @@ class EagleProposer(Proposer):
         # A step's rows, less the rejected drafts at the end of each request, when the cache holds
         # everything before them (one graph when uniform); else every position it lacks.
         feed = uniform_feed(self.feed_graphs, inputs.num_sampled, qsl)
-        caught_up = self._caught_up(inputs.req_ids, first.tolist())
+        caught_up = self.recorded.caught_up(inputs.req_ids, first.tolist())
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
         live = [i for i in range(n) if limits[i] > 0]
         if feed is not None and caught_up:
             counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
             out, greedy, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
-            self.fed.update(zip(inputs.req_ids, ((int(m), -1) for m in newest)))
+            self.recorded.fed_to(inputs.req_ids, newest)
             if live and self.graphs_on and plain_greedy(inputs, live):
                 rows = greedy[:n].tolist()  # the whole proposal was in the graph
                 take_drafts([rows[i] for i in live], live, limits, drafts)
                 return DraftProposal(drafts, [None] * n)
             out = out[torch.as_tensor(last_rows[live], device=self.device)]
         else:
-            start = np.array([self._valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)], dtype=np.int64)
+            start = np.array([self.recorded.valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)])
             out = self._catch_up(inputs, start, newest)
-            self.fed.update(zip(inputs.req_ids, ((int(m), -1) for m in newest)))
+            self.recorded.fed_to(inputs.req_ids, newest)
             last_pos = newest - 1
             out = out[torch.as_tensor(live, device=self.device, dtype=torch.int64)]
         if not live:
@@ -226,34 +206,18 @@ class EagleProposer(Proposer):
 
     def _catch_up(self, inputs: ProposerInputs, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
         """Feed request ``i``'s positions ``start[i] .. end[i] - 1`` (at least the last) from the
-        recorded states, in forwards of at most ``max_rows`` rows (a long prompt in several, in
-        order); returns each request's output at its last position ``[n, H]``."""
-        bs, cap = self.block_size, self.max_rows
-        pieces: list[tuple[int, int, int]] = []  # (request, first position, end)
-        for i, (s, e) in enumerate(zip(start.tolist(), end.tolist())):
-            s = min(s, e - 1)
-            while e - s > cap:
-                pieces.append((i, s, s + cap))
-                s += cap
-            pieces.append((i, s, e))
+        record, a group of at most ``max_rows`` rows a forward; each request's output at its last
+        position ``[n, H]``."""
         last = torch.empty(len(start), self.head_config.hidden_size, dtype=self.dtype, device=self.device)
-        group: list[tuple[int, int, int]] = []
-        for k, piece in enumerate(pieces):
-            group.append(piece)
-            rows = sum(e - s for _, s, e in group)
-            if k + 1 < len(pieces) and rows + pieces[k + 1][2] - pieces[k + 1][1] <= cap:
-                continue
+        for group in self.recorded.pieces(start, end):
             positions = np.concatenate([np.arange(s, e) for _, s, e in group])
             qsl = np.concatenate([[0], np.cumsum([e - s for _, s, e in group])])
-            slots = np.concatenate([np.asarray(inputs.block_ids[i], dtype=np.int64)[np.arange(s, e) // bs] * bs
-                                    + np.arange(s, e) % bs for i, s, e in group])
             ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
-            hidden = self._recorded(torch.as_tensor(slots, device=self.device))
+            hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
             ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
             index = torch.as_tensor([group[j][0] for j in ends], device=self.device)
             last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, device=self.device)]
-            group = []
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: ProposalGraphs, counts: np.ndarray
