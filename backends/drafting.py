@@ -24,7 +24,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.outputs import DraftTokenIds, SchedulerOutput
-from specloop.proposers.base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerInputs, draft_limits
+from specloop.proposers.base import DraftProposal, LaunchInputs, Proposer, ProposerInputs, draft_limits
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
@@ -98,17 +98,15 @@ class DraftingStage:
         self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
         self.write_drafts = write_drafts if self.config.tensor_parallel_size == 1 else None
 
-    def begin_step(self, plan: SchedulerOutput, inline: bool) -> StepRecord:
+    def begin_step(self, plan: SchedulerOutput) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
-        ``drafting``; always for a proposer that can neither skip steps nor keep up, and for one
-        that keeps up when the runner samples off the calling thread). Reports the previous
-        steps' tokens per second to the policy (:meth:`_report_rates`)."""
+        ``drafting``; always for a proposer that cannot skip steps). Reports the previous steps'
+        tokens per second to the policy (:meth:`_report_rates`)."""
         num_reqs = len(plan.num_scheduled_tokens)
         length = int(self.policy.drafting(list(plan.num_scheduled_tokens)))
         wanted = length > 0
         drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
-        skips = self.proposer.catches_up or (self.proposer.keeps_up and inline)
-        record = StepRecord(wanted or not skips, drafts, time.perf_counter(), length, num_reqs,
+        record = StepRecord(wanted or not self.proposer.catches_up, drafts, time.perf_counter(), length, num_reqs,
                             bool(plan.scheduled_new_reqs or plan.scheduled_resumed_reqs))
         self._recent.append(record)
         self._report_rates()
@@ -228,34 +226,13 @@ class DraftingStage:
                                             sum(map(len, drafts.draft_token_ids)) if drafts else 0, verified))
         return drafts
 
-    def after(self, batch: InputBatch, record: StepRecord | None) -> tuple[bool, bool]:
-        """What follows this step's sampling: ``(propose, keep_up)``, or neither (``skip``). A
-        proposer keeps up only after a plain decode step; any other it sees whole (drafting
-        nothing), and then the step does not overlap."""
+    def after(self, record: StepRecord | None) -> bool:
+        """Whether the proposer is called after this step's sampling; if not, it is told it
+        skipped the step (``Proposer.skip``)."""
         propose = record is None or record.propose
-        keep_up = not propose and not self.proposer.catches_up
-        if keep_up and not is_plain_decode(batch):
-            keep_up, propose, record.propose = False, True, True
-        if not (propose or keep_up):
+        if not propose:
             self.proposer.skip()
-        return propose, keep_up
-
-    def keep_up(self, batch: InputBatch, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
-                next_token_ids: torch.Tensor | list[list[int]], requests: dict[str, CachedRequestState]) -> None:
-        """A decode step the policy drafts nothing after (:func:`is_plain_decode`): the proposer
-        feeds its per-step state from device tensors (``Proposer.keep_up``); ``next_token_ids``:
-        the step's sampled tokens, on the device or (sampled on the host) per request."""
-        self.draft_probs.clear()
-        n = len(batch.req_ids)
-        if isinstance(next_token_ids, list):
-            next_token_ids = torch.tensor([t[0] for t in next_token_ids], dtype=torch.int64,
-                                          device=hidden_states.device)
-        self.proposer.keep_up(KeepUpInputs(
-            req_ids=list(batch.req_ids),
-            positions=np.asarray(batch.attn_metadata.seq_lens_cpu[:n], dtype=np.int64) - 1,
-            block_ids=[requests[rid].block_ids for rid in batch.req_ids],
-            hidden_states=hidden_states[:n], aux_hidden_states=tuple(a[:n] for a in aux_hidden_states),
-            next_token_ids=next_token_ids[:n]))
+        return propose
 
     def _placeholders(self, plan: SchedulerOutput, batch: InputBatch, sampled: list[list[int]],
                       requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
@@ -393,8 +370,3 @@ def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, hidden: torch.
     inputs.sampled_rows = np.array([sub_qsl[k + 1] - batch.sample_rows[i][1] + len(sampled[i]) - 1
                                     if sampled[i] else -1 for k, i in enumerate(idx)], dtype=np.int64)
 
-
-def is_plain_decode(batch: InputBatch) -> bool:
-    """One row per request, each sampling, no drafts: the step a proposer may keep up with."""
-    return (batch.num_tokens == len(batch.req_ids) and not any(batch.spec_token_ids)
-            and all(count == 1 for _, count in batch.sample_rows))

@@ -301,8 +301,7 @@ class ModelRunner:
         worker thread (CPU), or for the device-to-host copy of tokens that already feed the next
         step on the device (CUDA)."""
         plan, self._launched = self._launched, None
-        record = (self.drafter.begin_step(plan, inline=self._worker is None)
-                  if self.drafter is not None and plan is not None else None)
+        record = self.drafter.begin_step(plan) if self.drafter is not None and plan is not None else None
         if self._worker is not None:
             executing, self._executing = self._executing, None
             sampling = self._worker.submit(self._sample_after, executing, grammar, record)
@@ -329,7 +328,7 @@ class ModelRunner:
         if batch is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampler = self.parts.sampler
-        propose, keep_up = self.drafter.after(batch, record) if self.drafter is not None else (False, False)
+        propose = self.drafter.after(record) if self.drafter is not None else False
         defer = self.async_scheduling and not propose and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
@@ -343,9 +342,6 @@ class ModelRunner:
             self._pending = provisional(self.requests, batch, result, span)
             if record is not None:
                 record.tokens = sum(1 for _, count in batch.sample_rows if count)
-            if keep_up:
-                self.drafter.keep_up(batch, step.hidden_states, step.aux_hidden_states, result.device_tokens,
-                                     self.requests)
             return self._pending
         for rid, tokens in zip(batch.req_ids, result.sampled):
             self.requests[rid].token_ids.extend(tokens)  # provisional until the next plan commits them
@@ -354,8 +350,6 @@ class ModelRunner:
         if propose:
             self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
                                                 result.sampled, self.requests, time.perf_counter() - step.host_start)
-        elif keep_up:
-            self.drafter.keep_up(batch, step.hidden_states, step.aux_hidden_states, result.sampled, self.requests)
         elif self.drafter is not None:
             self.drafter.draft_probs.clear()  # this step's drafts (if any) are verified
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,

@@ -35,7 +35,6 @@ class SampleResult:
     logprobs: Logprobs | None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     wait: Callable[[], list[list[int]]] | None = None
-    device_tokens: torch.Tensor | None = None  # a deferred result's tokens on the device, one per sampled row
 
 
 def compute_logits(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

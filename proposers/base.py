@@ -12,16 +12,18 @@ host has not read): drafts it returns stay on the device, the scheduler gets pla
 ``propose`` is not called for that step.
 
 ``ProposerInputs`` carries what any proposer needs, even where one ignores it: n-gram reads only
-the token ids; a draft model adds its own KV cache over the target's block table; EAGLE and MTP
-read the target's hidden states (all positions of the step, and the one each request sampled
-from) plus the tokens sampled after them (previous hidden state + next token embedding, one step
-per draft); EAGLE-3 also reads the hidden states of ``hidden_state_layers``; Medusa reads the
-sampled positions' hidden states only. A proposer declares what it needs as attributes, so the
-runner computes and keeps only what is asked for.
+the token ids; a draft model adds its own KV cache over the target's block table; Medusa reads the
+hidden states each request sampled from. EAGLE and MTP build caches of their own from the target's
+hidden states at every position (previous hidden state + next token embedding, one step per
+draft; EAGLE-3 reads the streams entering ``hidden_state_layers``): they record those states inside
+the target's forward (``record``) and feed their caches from the record when they propose, so
+they can skip steps (``catches_up``, ``skip``). A proposer declares what it needs as attributes, so
+the runner computes and keeps only what is asked for.
 
-A proposer whose cache is built from the target's hidden states (EAGLE) must see every position the
-target computes, including prefill chunks that sample nothing: it sets ``runs_on_prefill_chunks`` and
-then also gets those requests, with ``num_sampled == 0`` (it drafts nothing for them).
+A proposer that instead builds such a cache from the hidden states it is handed must see every
+position the target computes, including prefill chunks that sample nothing: it sets
+``runs_on_prefill_chunks`` and then also gets those requests, with ``num_sampled == 0`` (it
+drafts nothing for them), and is called every step.
 """
 
 from __future__ import annotations
@@ -160,19 +162,6 @@ class LaunchInputs:
     drafts: list[list[int]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class KeepUpInputs:
-    """A decode step of one row per request, as :meth:`Proposer.keep_up` sees it: row ``i`` is
-    request ``req_ids[i]`` at ``positions[i]``; the token after it is still on the device."""
-
-    req_ids: list[str]
-    positions: np.ndarray  # [B] host
-    block_ids: list[list[int]]
-    hidden_states: torch.Tensor  # [B, H] final states
-    aux_hidden_states: tuple[torch.Tensor, ...]  # one [B, H] per hidden_state_layers
-    next_token_ids: torch.Tensor  # [B] int64, on the device: the tokens this step sampled
-
-
 class Proposer(ABC):
     """A speculative proposer, built by ``factory(config=..., context=...)`` from the proposer
     registry, then called directly by the model runner once per step.
@@ -186,18 +175,16 @@ class Proposer(ABC):
     # increasing order (the forward taps them in layer order).
     hidden_state_layers: tuple[int, ...] = ()
     # Also pass the requests whose step was a partial prefill chunk (they sample nothing this step:
-    # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions (MTP)
-    # builds it from every chunk's hidden states.
+    # num_sampled 0, no drafts wanted), so a proposer with a cache over the target's positions
+    # builds it from every chunk's hidden states (the KV cache then recomputes a prefix hit's last
+    # block: SpeculativeConfig.reads_target_hidden_states).
     runs_on_prefill_chunks: bool = False
     # May skip steps: a call after steps it never saw rebuilds what it needs (a draft model feeds
-    # the tokens it missed; EAGLE feeds the hidden states it recorded; n-gram keeps no state). The
-    # runner then skips the call in steps that draft nothing, which asynchronous scheduling
-    # overlaps; a proposer whose cache is fed the target's hidden states of every step, and that
-    # does not record them, keeps being called (``keeps_up``).
+    # the tokens it missed; EAGLE and MTP feed the hidden states they recorded; n-gram keeps no
+    # state). The runner then skips the call in steps that draft nothing, which asynchronous
+    # scheduling overlaps; a proposer whose cache is fed every step's hidden states as they come
+    # keeps being called.
     catches_up: bool = False
-    # Implements keep_up: after a decode step the policy drafts nothing for, it brings its per-step
-    # state up to date from device tensors, with no host read, so that step can overlap too.
-    keeps_up: bool = False
     # Implements launch: its greedy proposal can start from device tensors, before the host reads
     # the verification.
     launches: bool = False
@@ -246,11 +233,6 @@ class Proposer(ABC):
     def skip(self) -> None:
         """Called once for each step after which the runner does not call this proposer (one that
         ``catches_up``, in a step the policy drafts nothing after)."""
-
-    def keep_up(self, step: KeepUpInputs) -> None:
-        """Instead of ``propose`` (with ``keeps_up``), after a decode step of one row per
-        request that drafts nothing: feed whatever this proposer feeds every step."""
-        raise NotImplementedError(f"{type(self).__name__} does not keep up without proposing")
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         """Forget finished and preempted requests (a preempted one is recomputed from scratch)."""

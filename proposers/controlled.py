@@ -23,7 +23,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig, SpeculativeConfig
 
-from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 
 class ControlledProposer(Proposer):
@@ -50,7 +50,7 @@ class ControlledProposer(Proposer):
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)
         self.needs_hidden_states = self.inner.needs_hidden_states
         self.runs_on_prefill_chunks = self.inner.runs_on_prefill_chunks
-        self.catches_up, self.keeps_up, self.launches = self.inner.catches_up, self.inner.keeps_up, self.inner.launches
+        self.catches_up, self.launches = self.inner.catches_up, self.inner.launches
         self.records_hidden_states = self.inner.records_hidden_states
         self.hidden_state_layers = self.inner.hidden_state_layers
         self.vocab_size = context.vocab_size
@@ -64,9 +64,6 @@ class ControlledProposer(Proposer):
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         self.inner.remove_requests(req_ids)
-
-    def keep_up(self, step: KeepUpInputs) -> None:
-        self.inner.keep_up(step)
 
     def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                slot_mapping: torch.Tensor) -> None:

@@ -5,13 +5,14 @@ too); ``model`` defaults to the target's directory, where the layers live at
 ``model.layers.{num_hidden_layers + j}`` (``models/deepseek_mtp.py``). The target's embedding and
 head are used in place (``ProposerContext``), never copied.
 
-Each step, for every request the target computed (a prompt chunk, a decode, a verification), the
-layer runs over every *verified* position ``p`` of the step: the embedding of token ``p + 1`` and the
-target's final hidden state at ``p``. That fills the layer's own latent KV cache, indexed by the
-target's block table, at exactly the positions whose target KV is valid, so it needs no bookkeeping
-of its own: rows of rejected drafts are skipped (``num_rejected``) and their slots overwritten
-later, a preempted or aborted request's cache goes with its blocks, and the scheduler keeps the last
-block of a prefix-cache hit to recompute (``SpeculativeConfig.reads_target_hidden_states``).
+At every verified position ``p`` the layer reads the embedding of token ``p + 1`` and the target's
+final hidden state at ``p``; its own latent KV cache, indexed by the target's block table, holds an
+entry for every such position. The target's forward records its final states by KV slot
+(``record``, ``proposers.recorded``), and a proposal first feeds each request every verified
+position its cache lacks: in a run of steps with drafts, the step's accepted rows; after steps the
+policy drafted nothing for (skipped: they cost nothing), those steps' positions too; for a new
+request its whole sequence. Rows of rejected drafts leave entries past the newest token, rewritten
+before anything reads them, and a preempted or aborted request's cache goes with its blocks.
 
 The output at the newest verified position ``L - 2`` gives draft 1 (token ``L``). Draft ``k + 1``
 applies the layer again one position on, to draft ``k``'s embedding and its own previous output
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -44,10 +45,11 @@ from specloop.models.context import ForwardContext
 from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
-from .base import DraftProposal, KeepUpInputs, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
+from .recorded import Recorded
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
@@ -56,8 +58,8 @@ MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": De
 
 class MTPProposer(Proposer):
     needs_hidden_states = True
-    runs_on_prefill_chunks = True
-    keeps_up = True
+    catches_up = True
+    records_hidden_states = True
     launches = True  # a one-layer checkpoint, when its proposal graph fits the step
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
@@ -97,15 +99,19 @@ class MTPProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K (one-layer checkpoints)
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
-        self.follow: StepGraphs | None = None  # keep_up's feed of one row per request
+        # The target's final states by KV slot, and how far each request is fed.
+        self.recorded = Recorded(self.hidden_size, self.dtype, self.device,
+                                 max(config.max_num_batched_tokens or 8192, 1024))
 
     def kv_cache_bytes_per_block(self) -> int:
-        return self.cache_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+        return (self.cache_config.kv_bytes_per_block(self.block_size, self.dtype.itemsize)
+                + self.recorded.bytes_per_block(self.block_size))
 
     def initialize(self, num_kv_blocks: int) -> None:
         shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.chain, self.feed_graphs, self.follow = None, {}, None
+        self.recorded.allocate(num_kv_blocks * self.block_size)
+        self.chain, self.feed_graphs = None, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
@@ -114,47 +120,45 @@ class MTPProposer(Proposer):
         hidden = ((self.hidden_size,), self.dtype)
         # A one-layer checkpoint's greedy proposal replays whole (ProposalGraphs).
         one = self.num_layers == 1
-        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [hidden],
+        self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [],
                                          step=self._step if one else None, argmax=self._first_argmax if one else None)
-        self.follow = StepGraphs(self._feed_step, self.device, c.max_num_seqs, max_len, self.block_size,
-                                 extra=[hidden], pool=last_pool(self.feed_graphs))
-        self.follow.capture()
         if self.num_layers == 1 and k > 1:
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
-                                     pool=self.follow.pool)
+                                     pool=last_pool(self.feed_graphs))
             self.chain.capture()
 
+    def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
+               slot_mapping: torch.Tensor) -> None:
+        self.recorded.write(hidden_states, slot_mapping)
+
+    def skip(self) -> None:
+        self.recorded.skip()
+
+    def remove_requests(self, req_ids: Iterable[str]) -> None:
+        self.recorded.forget(req_ids)
+
     def launch(self, step: LaunchInputs) -> torch.Tensor | None:
-        """A one-layer checkpoint's whole greedy proposal, fed from the device (as EAGLE's)."""
+        """A one-layer checkpoint's whole greedy proposal, fed from the device (as EAGLE's), when
+        the cache holds every position before the step's rows."""
         n = len(step.req_ids)
         feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
-        if feed is None:
+        first = step.first.tolist()
+        if feed is None or not self.recorded.caught_up(step.req_ids, first):
             return None
         with torch.inference_mode():
-            return feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted,
-                                step.hidden_states[:n * step.q])[1][:n]
-
-    def keep_up(self, step: KeepUpInputs) -> None:
-        """Every layer's cache entry for each request's newest position (the target's hidden state
-        there with the token sampled after it, still on the device), as the next proposal's first
-        step would write it."""
-        n = len(step.req_ids)
-        with torch.inference_mode():
-            hidden = step.hidden_states.to(self.dtype)
-            if self.follow is not None and self.follow.fits(n):
-                self.follow.run(step.next_token_ids, step.positions, step.block_ids, hidden)
-                return
-            positions = [step.positions[i:i + 1] for i in range(n)]
-            for layer in range(self.num_layers):
-                self._forward(step, range(n), positions, step.next_token_ids, hidden, layer)
+            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
+        self.recorded.launched(step.req_ids, first)
+        return drafts
 
     def _context(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
 
-    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
-                   hidden: torch.Tensor) -> tuple[torch.Tensor]:
-        """Every layer over ``q`` target rows per request; layer 0's outputs."""
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor]:
+        """Every layer over ``q`` target rows per request, their states read from the record at
+        their slots; layer 0's outputs."""
         embeds = self.embed_tokens(token_ids).to(self.dtype)
+        hidden = self.recorded.read(meta.slot_mapping)
         outs = [self.model(embeds, positions, hidden, self._context(meta), layer) for layer in range(self.num_layers)]
         return (outs[0],)
 
@@ -174,14 +178,26 @@ class MTPProposer(Proposer):
         limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]
+        first = inputs.positions[inputs.query_start_loc[:-1]]
+        newest = np.array([len(t) - 1 for t in inputs.token_ids], dtype=np.int64)
         with torch.inference_mode():
+            # The step's rows when the cache holds everything before them (one graph when
+            # uniform), else every position it lacks.
             feed = uniform_feed(self.feed_graphs, inputs.num_sampled, inputs.query_start_loc)
+            if not self.recorded.caught_up(inputs.req_ids, first.tolist()):
+                feed = None
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
             if isinstance(feed, ProposalGraphs) and live and plain_greedy(inputs, live):
                 rows = self._feed_graph(inputs, feed)[1][:inputs.num_reqs].tolist()  # the whole proposal
+                self.recorded.fed_to(inputs.req_ids, newest)
                 take_drafts([rows[i] for i in live], live, limits, drafts)
                 return DraftProposal(drafts, [None] * inputs.num_reqs)
-            out, last_rows = self._run_verified(inputs) if feed is None else self._feed_graph(inputs, feed)[::2]
+            if feed is None:
+                start = np.array([self.recorded.valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)])
+                out, last_rows = self._catch_up(inputs, start, newest), np.arange(inputs.num_reqs)
+            else:
+                out, _, last_rows = self._feed_graph(inputs, feed)
+            self.recorded.fed_to(inputs.req_ids, newest)
             hidden = out[torch.tensor(last_rows[live], dtype=torch.int64, device=self.device)] if live else out
             if live and greedy_graphed(self.graphs_on, self.chain, limits[live]) and plain_greedy(inputs, live):
                 last_pos = np.array([len(t) - 2 for t in inputs.token_ids], dtype=np.int64)
@@ -204,21 +220,22 @@ class MTPProposer(Proposer):
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _run_verified(self, inputs: ProposerInputs) -> tuple[torch.Tensor, np.ndarray]:
-        """Every MTP layer over each request's verified rows of this step (the target's hidden
-        states). Returns layer 0's outputs and each request's row of its newest verified position."""
-        qsl = inputs.query_start_loc
-        rows, positions = [], []
-        for i in range(inputs.num_reqs):
-            r = np.arange(qsl[i], qsl[i + 1] - inputs.num_rejected[i])
-            rows.append(r)
-            positions.append(inputs.positions[r])
-        tokens = np.concatenate([t[p + 1] for t, p in zip(inputs.token_ids, positions)])  # one past each position
-        row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        target_hidden = inputs.hidden_states.index_select(0, row_index).to(self.dtype)
-        outs = [self._forward(inputs, range(inputs.num_reqs), positions, tokens, target_hidden, layer)
-                for layer in range(self.num_layers)]
-        return outs[0], np.cumsum([len(r) for r in rows]) - 1
+    def _catch_up(self, inputs: ProposerInputs, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
+        """Every MTP layer over request ``i``'s positions ``start[i] .. end[i] - 1`` (at least the
+        last), the target's states from the record, a group of at most ``max_rows`` rows a
+        forward. Returns layer 0's output at each request's last position ``[n, H]``."""
+        last = torch.empty(inputs.num_reqs, self.hidden_size, dtype=self.dtype, device=self.device)
+        for group in self.recorded.pieces(start, end):
+            positions = [np.arange(s, e) for _, s, e in group]
+            tokens = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
+            hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
+            reqs = [i for i, _, _ in group]
+            outs = [self._forward(inputs, reqs, positions, tokens, hidden, layer) for layer in range(self.num_layers)]
+            ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
+            rows = np.cumsum([len(p) for p in positions]) - 1
+            last[torch.as_tensor([group[j][0] for j in ends], device=self.device)] = \
+                outs[0][torch.as_tensor(rows[ends], device=self.device)]
+        return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs
                     ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
@@ -230,9 +247,9 @@ class MTPProposer(Proposer):
         ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
         accepted = q - inputs.num_rejected
         if isinstance(feed, ProposalGraphs):
-            out, greedy = feed.propose(ids, first, inputs.block_ids[:n], accepted, inputs.hidden_states[:n * q])
+            out, greedy = feed.propose(ids, first, inputs.block_ids[:n], accepted)
         else:
-            (out,), greedy = feed.run(ids, first, inputs.block_ids[:n], inputs.hidden_states[:n * q]), None
+            (out,), greedy = feed.run(ids, first, inputs.block_ids[:n]), None
         return out, greedy, np.arange(n) * q + accepted - 1
 
     def _run_draft(self, inputs: ProposerInputs, live: list[int], step: int, tokens: list[int],

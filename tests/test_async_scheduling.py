@@ -233,13 +233,12 @@ def test_aborts_between_steps_with_and_without_drafts_leak_nothing():
             assert got[rid] == list(tokens), rid
 
 
-@pytest.mark.parametrize("method,way", [("eagle3", "catches_up"), ("mtp", "keeps_up")])
-def test_a_proposer_that_skips_steps_drafts_as_if_called_every_step(method, way):
-    """EAGLE-3 and MTP build their caches from every step's hidden states. After a step the policy
-    drafts nothing for, MTP's ``keep_up`` feeds that step from device tensors; EAGLE-3 is not
-    called at all (``skip``) and its next proposal first feeds what it missed from the states it
-    recorded. Either way the drafts of every later proposal are exactly those of a run that
-    proposed (zero drafts) after every step."""
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_proposer_that_skips_steps_drafts_as_if_called_every_step(method):
+    """EAGLE-3 and MTP build their caches from every position's hidden states. After a step the
+    policy drafts nothing for they are not called (``skip``), and the next proposal first feeds
+    what they missed from the states the target's forward recorded: the drafts of every later
+    proposal are exactly those of a run that proposed (zero drafts) after every step."""
     from specloop.frontend.model_path import default_model_dir
 
     path = default_model_dir("specloop-tiny-mtp" if method == "mtp" else "specloop-tiny")
@@ -254,9 +253,9 @@ def test_a_proposer_that_skips_steps_drafts_as_if_called_every_step(method, way)
             drafter = llm.core.runner.drafter
             drafter.policy = Alternating()
             proposer = drafter.proposer
-            setattr(proposer, way, skips)
+            proposer.catches_up = skips
             seen, calls = [], []
-            propose, instead = proposer.propose, getattr(proposer, "keep_up" if way == "keeps_up" else "skip")
+            propose, skip = proposer.propose, proposer.skip
 
             def recording(inputs, propose=propose, seen=seen):
                 proposal = propose(inputs)
@@ -264,12 +263,11 @@ def test_a_proposer_that_skips_steps_drafts_as_if_called_every_step(method, way)
                     seen.append(dict(zip(inputs.req_ids, map(list, proposal.draft_token_ids))))
                 return proposal
 
-            def counting(*step, instead=instead, calls=calls):
+            def counting(skip=skip, calls=calls):
                 calls.append(1)
-                instead(*step)
+                skip()
 
-            proposer.propose = recording
-            setattr(proposer, "keep_up" if way == "keeps_up" else "skip", counting)
+            proposer.propose, proposer.skip = recording, counting
             llm.generate(PROMPTS, greedy, use_tqdm=False)
             drafts[skips], skipped[skips] = seen, len(calls)
         finally:

@@ -180,14 +180,14 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
             self.rates.append((length, num_reqs, tokens, first))
 
     policy = Recorder()
-    stage = DraftingStage(SimpleNamespace(catches_up=True, keeps_up=False), policy,
+    stage = DraftingStage(SimpleNamespace(catches_up=True), policy,
                           EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
     plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={},
                              scheduled_new_reqs=[f"r{n - 1}"] if i in (3, 6) else [], scheduled_resumed_reqs=[])
              for i, n in enumerate((4, 4, 4, 5, 5, 5, 6, 6, 6, 6))]
     records = []
     for n, plan in enumerate(plans):
-        records.append(stage.begin_step(plan, inline=False))
+        records.append(stage.begin_step(plan))
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
     # Step 1 sat amid steps of length 0 (reported two steps after it began, once its tokens came);

@@ -173,4 +173,4 @@ class FastSamplingStage:
                 sampled[i] = [values[first]]
             return sampled
 
-        return SampleResult([], None, {}, wait=wait, device_tokens=tokens)
+        return SampleResult([], None, {}, wait=wait)
