@@ -204,8 +204,9 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is not None:
             proposer = self.plugins.proposers.create(spec.method, config=self.config, context=self.proposer_context())
-            # A proposer with a cache over the target's hidden states needs a prefix hit's last block recomputed.
-            spec.reads_target_hidden_states = proposer.runs_on_prefill_chunks
+            # A proposer with a cache over the target's hidden states needs a prefix hit's last block
+            # recomputed: its entry at a shared block's last position pairs it with the next token.
+            spec.reads_target_hidden_states = proposer.runs_on_prefill_chunks or proposer.records_hidden_states
             policy = self.plugins.speculation_policies.create(spec.policy, config=self.config)
             self.drafter = DraftingStage(proposer, policy, self.config)
         self.parts = self.platform.parts(self)

@@ -15,9 +15,11 @@ head lazily: a proposal first feeds each request every position its cache lacks 
 token, from that record (``catches_up``). A request proposed for in every step lacks exactly the
 step's rows; after steps the speculation policy drafted nothing for (which then cost the head
 nothing) it lacks those steps' positions too, and a new request its whole prompt, prefix-cache hits
-included (the record of a cached block is the target's, so a hit needs no recomputation). Rows of
-rejected drafts leave entries past the newest token, rewritten before anything reads them, so the
-cache below the newest token always holds target-fed entries.
+included (their record is the target's; rewriting a shared entry writes the value it holds, since
+the last block of a hit, whose last entry pairs with this request's next token, is recomputed:
+``SpeculativeConfig.reads_target_hidden_states``). Rows of rejected drafts leave entries past the
+newest token, rewritten before anything reads them, so the cache below the newest token always
+holds target-fed entries.
 
 Drafting. Step 1 is that feed: its output at the last accepted position gives draft 1. Each further
 step feeds one draft at the next position with the previous step's output as its hidden state.
@@ -216,8 +218,8 @@ class EagleProposer(Proposer):
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
             ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
-            index = torch.as_tensor([group[j][0] for j in ends], device=self.device)
-            last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, device=self.device)]
+            index = torch.as_tensor([group[j][0] for j in ends], dtype=torch.int64, device=self.device)
+            last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, dtype=torch.int64, device=self.device)]
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: ProposalGraphs, counts: np.ndarray

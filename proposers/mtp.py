@@ -233,8 +233,8 @@ class MTPProposer(Proposer):
             outs = [self._forward(inputs, reqs, positions, tokens, hidden, layer) for layer in range(self.num_layers)]
             ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
             rows = np.cumsum([len(p) for p in positions]) - 1
-            last[torch.as_tensor([group[j][0] for j in ends], device=self.device)] = \
-                outs[0][torch.as_tensor(rows[ends], device=self.device)]
+            last[torch.as_tensor([group[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
+                outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs

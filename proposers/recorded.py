@@ -8,7 +8,9 @@ sized into the pool with the proposer's cache), and feeds its cache lazily: a pr
 each request every position its cache lacks below the newest token. In a run of steps with drafts
 that is exactly the step's rows; after steps the policy drafted nothing for (the proposer was not
 called: ``skip``), those steps' positions too; for a new request its whole sequence, prefix-cache
-hits included (a cached block's record is the target's, written when it computed the block).
+hits included (a cached block's record is the target's, written when it computed the block; the
+runner has the last block of a hit recomputed, so that a shared block's entries pair each position
+with the same next token for every request, and feeding one again writes what it holds).
 
 :class:`Recorded` keeps the record and, per request, how far the cache is fed: exactly, after a
 proposal on the host; after a proposal launched from the device (whose accepted count the host has

@@ -184,10 +184,14 @@ def reference_drafts(hf_target, tensors: dict[str, torch.Tensor], config: dict, 
     return drafts
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_proposals_equal_dense_drafting(heads, reference, method: str) -> None:
-    """Rejections, preemption, chunked prefill and prefix-cache hits never leave a stale entry.
-    (The prompts share no prefix that ends exactly at a block boundary: see ``proposers.eagle``.)"""
+@pytest.mark.parametrize("method,skipping", [("eagle", False), ("eagle3", False), ("eagle3", True)])
+def test_proposals_equal_dense_drafting(heads, reference, method: str, skipping: bool) -> None:
+    """Rejections, preemption, chunked prefill and prefix-cache hits (one ending exactly at a block
+    boundary, where the next token differs from the block owner's) never leave a stale entry; nor
+    do runs of steps the proposer skips (``skipping``: a policy drafting in runs, the catch-up fed
+    in forwards of at most 8 rows)."""
+    from scripted_policy import Alternating
+
     target = hf_models.tiny("qwen3")
     version = 3 if method == "eagle3" else 1
     tensors = (eagle3_tensors if version == 3 else eagle_tensors)()
@@ -196,6 +200,11 @@ def test_proposals_equal_dense_drafting(heads, reference, method: str) -> None:
     base = Eagle3Proposer if version == 3 else EagleProposer
 
     class Checked(base):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if skipping:
+                self.recorded.max_rows = 8
+
         def propose(self, inputs: ProposerInputs) -> DraftProposal:
             proposal = super().propose(inputs)
             for tokens, drafts in zip(inputs.token_ids, proposal.draft_token_ids):
@@ -209,12 +218,20 @@ def test_proposals_equal_dense_drafting(heads, reference, method: str) -> None:
         def specloop_register_proposers(self, register) -> None:
             register("checked", Checked)
 
-    spec = {"method": "checked", "model": heads[method], "num_speculative_tokens": 3}
-    tokens, llm = generate(target.path, prompt_set(), GREEDY, spec,
+        @hookimpl
+        def specloop_register_speculation_policies(self, register) -> None:
+            register("runs", lambda config: Alternating(on=2, off=5))
+
+    spec = {"method": "checked", "model": heads[method], "num_speculative_tokens": 3,
+            "policy": "runs" if skipping else "fixed"}
+    prompts = prompt_set()
+    prompts += [prompts[-3][:8] + [9, 9, 9]]  # a hit of two whole blocks, then another token
+    tokens, llm = generate(target.path, prompts, GREEDY, spec,
                            plugins=PluginManager([Plugin()], load_entrypoints=False), **STRESSED)
-    assert tokens == reference["qwen3"]
+    assert tokens[:len(reference["qwen3"])] == reference["qwen3"]
     m = llm.get_metrics()
-    assert len(checked) > 50 and m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
+    assert len(checked) > (20 if skipping else 50) and m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
+    assert not skipping or llm.core.runner.drafter.proposer.recorded.skips > 10
 
 
 # --- checkpoint layouts -----------------------------------------------------------------------
