@@ -150,18 +150,21 @@ class AdaptivePolicy:
     pipeline drains, a proposer catches up on the tokens it skipped: the measured excess of the
     first step of a run of each length over its steady step, one step until measured), so it comes
     once that loss is ``probe_cost`` of the steps since the last, and not more often than every
-    ``min_interval`` steps. Probes of a length with drafts also refresh the acceptance while the
-    policy drafts nothing.
+    ``min_interval`` steps nor less often than every ``max_interval``: a one-time cost (a kernel
+    compiled in a run's first step) must not mark a length dear for good. A step that costs less
+    than ``1 / OUTLIER`` of its estimate restarts that estimate, for the same reason. Probes of a
+    length with drafts also refresh the acceptance while the policy drafts nothing.
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
-                 min_interval: int = 64, decay: float = 0.98, accept_decay: float = 0.95,
-                 warmup: int | None = None) -> None:
+                 min_interval: int = 64, max_interval: int = 2048, decay: float = 0.98,
+                 accept_decay: float = 0.95, warmup: int | None = None) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
-        self.probe_len, self.probe_cost, self.min_interval = probe_len, probe_cost, min_interval
+        self.probe_len, self.probe_cost = probe_len, probe_cost
+        self.min_interval, self.max_interval = min_interval, max_interval
         # Step times of the engine's first steps are not kept (one-time costs: kernels compiled and
         # tuned, first graph replays, the allocator growing): its first probes of K and 0.
         self.warmup = 2 * probe_len if warmup is None else warmup
@@ -256,7 +259,7 @@ class AdaptivePolicy:
             # Seconds a probe loses against the best length: its steps' shortfall, and its switches.
             loss = (self.probe_len * step * (1 - rate / best_rate) + self.switch_cost(bucket, n, step)
                     + self.switch_cost(bucket, best, best_step))
-            interval = max(self.min_interval, loss / (best_step * self.probe_cost))
+            interval = min(max(self.min_interval, loss / (best_step * self.probe_cost)), self.max_interval)
             waited = self.num_steps - self.probed.get((bucket, n), self.first_seen[bucket])
             if waited >= interval:
                 due.append((waited / interval, n))
@@ -291,7 +294,10 @@ class AdaptivePolicy:
         kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
                                                                   [0.0, 0.0])
         if kept[1] > 0:  # a pause inside one step (a garbage collection, another process) is not its length's cost
-            seconds = min(seconds, OUTLIER * kept[0] / kept[1])
+            estimate = kept[0] / kept[1]
+            if OUTLIER * seconds < estimate:  # nor was it when the estimate began with one
+                kept[0] = kept[1] = 0.0
+            seconds = min(seconds, OUTLIER * estimate)
         kept[0] = self.decay * kept[0] + seconds
         kept[1] = self.decay * kept[1] + 1
 

@@ -126,11 +126,23 @@ def test_a_dear_switch_makes_probes_rarer():
     """Entering a length with drafts costs 20 steps' time (a draft model catching up on the tokens
     it skipped): measured, it spaces the probes of that length out."""
     entering = {n: 20 * LARGE[0] if n else 0.0 for n in LARGE}
-    cheap, dear = Machine(policy()), Machine(policy(), seed=1)
+    spaced = dict(max_interval=1 << 20)  # probes as far apart as their cost allows
+    cheap, dear = Machine(policy(**spaced)), Machine(policy(**spaced), seed=1)
     cheap.run(4000, 32, 0.7, LARGE)
     dear.run(4000, 32, 0.7, LARGE, entering=entering)
     assert dear.lengths[-3000:].count(0) > cheap.lengths[-3000:].count(0)
     assert dear.tokens / dear.seconds > 0.95 * 32 * expected_rate(0.7, LARGE, 0)
+
+
+def test_one_dear_entry_does_not_keep_it_off_a_length():
+    """The first step of the first run at K after warm-up costs half a second (a kernel compiled
+    for the proposer's first catch-up over skipped steps): K is probed again within
+    ``max_interval`` steps, the cheap entry restarts its estimate, and the policy returns to K."""
+    for seed in range(3):
+        m = Machine(policy(), seed=seed)
+        m.run(40, 1, 0.7, SMALL, entering={K: 0.5})
+        chosen = m.run(5000, 1, 0.7, SMALL)
+        assert chosen[-2000:].count(K) > 1800, seed
 
 
 def test_it_follows_the_machine_when_the_costs_change():
