@@ -149,9 +149,11 @@ class EagleProposer(Proposer):
         n = len(step.req_ids)
         feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
         first = step.first.tolist()
-        if feed is None or not self.recorded.caught_up(step.req_ids, first):
+        if feed is None:
             return None
         with torch.inference_mode():
+            if not self.recorded.fill_gaps(step, first, self._catch_up):
+                return None
             drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
         self.recorded.launched(step.req_ids, first)
         return drafts
@@ -165,11 +167,10 @@ class EagleProposer(Proposer):
         # A step's rows, less the rejected drafts at the end of each request, when the cache holds
         # everything before them (one graph when uniform); else every position it lacks.
         feed = uniform_feed(self.feed_graphs, inputs.num_sampled, qsl)
-        caught_up = self.recorded.caught_up(inputs.req_ids, first.tolist())
         drafts: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # none: one-hot
         live = [i for i in range(n) if limits[i] > 0]
-        if feed is not None and caught_up:
+        if feed is not None and self.recorded.fill_gaps(inputs, first.tolist(), self._catch_up):
             counts = qsl[1:] - qsl[:-1] - inputs.num_rejected
             out, greedy, last_rows, last_pos = self._feed_graph(inputs, feed, counts)
             self.recorded.fed_to(inputs.req_ids, newest)
@@ -180,7 +181,7 @@ class EagleProposer(Proposer):
             out = out[torch.as_tensor(last_rows[live], device=self.device)]
         else:
             start = np.array([self.recorded.valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)])
-            out = self._catch_up(inputs, start, newest)
+            out = self._catch_up(inputs, start, newest, np.arange(n))
             self.recorded.fed_to(inputs.req_ids, newest)
             last_pos = newest - 1
             out = out[torch.as_tensor(live, device=self.device, dtype=torch.int64)]
@@ -206,19 +207,21 @@ class EagleProposer(Proposer):
                     probs[i].append(q[k])
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _catch_up(self, inputs: ProposerInputs, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
-        """Feed request ``i``'s positions ``start[i] .. end[i] - 1`` (at least the last) from the
-        record, a group of at most ``max_rows`` rows a forward; each request's output at its last
-        position ``[n, H]``."""
+    def _catch_up(self, inputs: ProposerInputs | LaunchInputs, start: np.ndarray, end: np.ndarray,
+                  reqs: np.ndarray) -> torch.Tensor:
+        """Feed request ``reqs[k]``'s positions ``start[k] .. end[k] - 1`` (at least the last) from
+        the record, a group of at most ``max_rows`` rows a forward; each one's output at its last
+        position ``[len(reqs), H]``."""
         last = torch.empty(len(start), self.head_config.hidden_size, dtype=self.dtype, device=self.device)
-        for group in self.recorded.pieces(start, end):
+        for pieces in self.recorded.pieces(start, end):
+            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
             positions = np.concatenate([np.arange(s, e) for _, s, e in group])
             qsl = np.concatenate([[0], np.cumsum([e - s for _, s, e in group])])
             ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
-            ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
-            index = torch.as_tensor([group[j][0] for j in ends], dtype=torch.int64, device=self.device)
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
+            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
             last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, dtype=torch.int64, device=self.device)]
         return last
 

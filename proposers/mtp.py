@@ -143,9 +143,11 @@ class MTPProposer(Proposer):
         n = len(step.req_ids)
         feed = launchable(self.graphs_on, self.feed_graphs, n, step.q)
         first = step.first.tolist()
-        if feed is None or not self.recorded.caught_up(step.req_ids, first):
+        if feed is None:
             return None
         with torch.inference_mode():
+            if not self.recorded.fill_gaps(step, first, self._catch_up):
+                return None
             drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
         self.recorded.launched(step.req_ids, first)
         return drafts
@@ -184,7 +186,7 @@ class MTPProposer(Proposer):
             # The step's rows when the cache holds everything before them (one graph when
             # uniform), else every position it lacks.
             feed = uniform_feed(self.feed_graphs, inputs.num_sampled, inputs.query_start_loc)
-            if not self.recorded.caught_up(inputs.req_ids, first.tolist()):
+            if feed is not None and not self.recorded.fill_gaps(inputs, first.tolist(), self._catch_up):
                 feed = None
             live = [i for i in range(inputs.num_reqs) if limits[i] > 0]
             if isinstance(feed, ProposalGraphs) and live and plain_greedy(inputs, live):
@@ -194,7 +196,8 @@ class MTPProposer(Proposer):
                 return DraftProposal(drafts, [None] * inputs.num_reqs)
             if feed is None:
                 start = np.array([self.recorded.valid(rid, int(f)) for rid, f in zip(inputs.req_ids, first)])
-                out, last_rows = self._catch_up(inputs, start, newest), np.arange(inputs.num_reqs)
+                out, last_rows = self._catch_up(inputs, start, newest, np.arange(inputs.num_reqs)), \
+                    np.arange(inputs.num_reqs)
             else:
                 out, _, last_rows = self._feed_graph(inputs, feed)
             self.recorded.fed_to(inputs.req_ids, newest)
@@ -220,26 +223,28 @@ class MTPProposer(Proposer):
         # Greedy drafts are deterministic: the rejection sampler treats them as one-hot.
         return DraftProposal(drafts, [torch.stack(p) if p else None for p in probs])
 
-    def _catch_up(self, inputs: ProposerInputs, start: np.ndarray, end: np.ndarray) -> torch.Tensor:
-        """Every MTP layer over request ``i``'s positions ``start[i] .. end[i] - 1`` (at least the
-        last), the target's states from the record, a group of at most ``max_rows`` rows a
-        forward. Returns layer 0's output at each request's last position ``[n, H]``."""
-        last = torch.empty(inputs.num_reqs, self.hidden_size, dtype=self.dtype, device=self.device)
-        for group in self.recorded.pieces(start, end):
+    def _catch_up(self, inputs: ProposerInputs | LaunchInputs, start: np.ndarray, end: np.ndarray,
+                  reqs: np.ndarray) -> torch.Tensor:
+        """Every MTP layer over request ``reqs[k]``'s positions ``start[k] .. end[k] - 1`` (at least
+        the last), the target's states from the record, a group of at most ``max_rows`` rows a
+        forward. Returns layer 0's output at each one's last position ``[len(reqs), H]``."""
+        last = torch.empty(len(start), self.hidden_size, dtype=self.dtype, device=self.device)
+        for pieces in self.recorded.pieces(start, end):
+            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
             positions = [np.arange(s, e) for _, s, e in group]
             tokens = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             reqs = [i for i, _, _ in group]
             outs = [self._forward(inputs, reqs, positions, tokens, hidden, layer) for layer in range(self.num_layers)]
-            ends = [j for j, (i, _, e) in enumerate(group) if e == end[i]]
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
             rows = np.cumsum([len(p) for p in positions]) - 1
-            last[torch.as_tensor([group[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
+            last[torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
                 outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs
                     ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
-        """:meth:`_run_verified` replayed from a graph over all ``q`` rows of every request (and,
+        """The step's rows replayed from a graph, all ``q`` rows of every request (and,
         from :class:`ProposalGraphs`, the greedy drafts). Returns layer 0's outputs, the greedy
         drafts (or None) and each request's row of its newest verified position."""
         n, q = inputs.num_reqs, feed.q

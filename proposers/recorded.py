@@ -10,7 +10,9 @@ that is exactly the step's rows; after steps the policy drafted nothing for (the
 called: ``skip``), those steps' positions too; for a new request its whole sequence, prefix-cache
 hits included (a cached block's record is the target's, written when it computed the block; the
 runner has the last block of a hit recomputed, so that a shared block's entries pair each position
-with the same next token for every request, and feeding one again writes what it holds).
+with the same next token for every request, and feeding one again writes what it holds). The
+positions before a step's rows are fed first (``fill_gaps``, one eager forward), so that the step's
+own rows still replay the proposer's graph, or launch from the device.
 
 :class:`Recorded` keeps the record and, per request, how far the cache is fed: exactly, after a
 proposal on the host; after a proposal launched from the device (whose accepted count the host has
@@ -20,12 +22,14 @@ step's first row (re-feeding a position rewrites the same entry).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 EXACT = -1  # a fed count the host knows
+# A proposer's catch-up: (inputs, first positions, ends, request indices) -> outputs at the ends.
+CatchUp = Callable[[Any, np.ndarray, np.ndarray, np.ndarray], torch.Tensor]
 
 
 class Recorded:
@@ -77,9 +81,21 @@ class Recorded:
         fed, skips = self.fed.get(rid, (0, EXACT))
         return first if skips == self.skips else fed
 
-    def caught_up(self, req_ids: Sequence[str], first: Sequence[int]) -> bool:
-        """Whether every request's cache holds every position before its step's first row."""
-        return all(self.valid(rid, f) == f for rid, f in zip(req_ids, first))
+    def fill_gaps(self, inputs: Any, first: Sequence[int], catch_up: CatchUp) -> bool:
+        """Feed each request of ``inputs`` (``req_ids``, ``token_ids``, ``block_ids``) the positions
+        its cache lacks before its step's first row (those of steps it skipped) with ``catch_up``,
+        so that the step's own rows can follow in one graph. False, feeding nothing, when a token
+        they pair with is not on the host yet (a placeholder)."""
+        start = np.array([self.valid(rid, f) for rid, f in zip(inputs.req_ids, first)], dtype=np.int64)
+        end = np.asarray(first, dtype=np.int64)
+        lacking = np.nonzero(start < end)[0]
+        if not len(lacking):
+            return True
+        if any(min(inputs.token_ids[i][start[i] + 1:end[i] + 1]) < 0 for i in lacking):
+            return False
+        catch_up(inputs, start[lacking], end[lacking], lacking)
+        self.fed_to([inputs.req_ids[i] for i in lacking], end[lacking])
+        return True
 
     def fed_to(self, req_ids: Sequence[str], newest: Iterable[int]) -> None:
         """Fed below each request's newest token (a proposal on the host)."""
