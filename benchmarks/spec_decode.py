@@ -35,6 +35,8 @@ real drafting cost, but its drafts are replaced by the target's known greedy con
 run without speculation), each position right with probability A, so speedup can be read against
 acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
 speculation policy choose the speculation length per step (K is then its maximum).
+``--length-zero`` holds every engine with drafts at speculation length 0 (its proposer attached,
+drafting nothing): its speedup is what a proposer costs a step when it drafts nothing.
 ``--continuous`` submits every prompt at once with at most b running (continuous batching, as a
 server sees it) instead of lockstep rounds of b, whose tails (requests finishing at different steps
 under speculation) the run without drafts never has. ``--batch-invariant`` runs both engines in
@@ -188,6 +190,9 @@ class Engine:
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
+        if drafter is not None and args.length_zero:  # the proposer attached, drafting nothing
+            drafter.policy.drafting = lambda req_ids: 0
+            drafter.policy.choose = lambda req_ids, limit: [0] * len(req_ids)
         self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
         freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
@@ -303,6 +308,9 @@ def main() -> None:
     parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
+    parser.add_argument("--length-zero", action="store_true",
+                        help="hold every engine with drafts at speculation length 0 after its warm-up request: "
+                             "what a proposer costs when it drafts nothing (speedup ~1 is the aim)")
     parser.add_argument("--host-proposals", action="store_true",
                         help="plugin_options gpu device_proposals=False: propose on the host after reading each "
                              "verification, never launching a proposal from the device (what launching gains)")
