@@ -115,13 +115,15 @@ class DraftingStage:
     def _report_rates(self) -> None:
         """Each step whose tokens are known and that the next step continued at its length: its
         tokens and the wall time to the next step's start, once, marked ``first`` when the step
-        before it ran at another length; not when it or the next step starts requests (its time
-        would count their prefill, a proposer's first pass over their prompts, or the engine's idle
-        wait for them)."""
+        before it ran at another length; not the second step of a run (after a run with drafts it
+        is the first that overlaps the next, and its interval still holds the pipeline's refill),
+        nor when it or the next step starts requests (its time would count their prefill, a
+        proposer's first pass over their prompts, or the engine's idle wait for them)."""
         recent = list(self._recent)
-        for before, step, after in zip(recent, recent[1:], recent[2:]):
+        for earlier, before, step, after in zip(recent, recent[1:], recent[2:], recent[3:]):
             if (not step.reported and step.tokens and step.length == after.length
-                    and not step.admits and not after.admits and after.started > step.started):
+                    and not step.admits and not after.admits and after.started > step.started
+                    and (before.length != step.length or earlier.length == step.length)):
                 step.reported = True
                 self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,
                                          first=before.length != step.length)

@@ -176,14 +176,15 @@ def test_one_paused_step_barely_moves_its_lengths_step_time():
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
     (a sampling thread); its rate is reported then, with its own request count, unless it or the
-    step after it admitted a request; the first step of a run is marked."""
+    step after it admitted a request; the first step of a run is marked, the second not reported
+    (the pipeline refills)."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
 
     class Recorder:
         def __init__(self):
-            self.lengths, self.rates = [0, 0, 0, 0, 2, 2, 2, 2, 2, 2], []
+            self.lengths, self.rates = [0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2], []
 
         def drafting(self, req_ids):
             return self.lengths.pop(0)
@@ -195,18 +196,18 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     stage = DraftingStage(SimpleNamespace(catches_up=True), policy,
                           EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
     plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={},
-                             scheduled_new_reqs=[f"r{n - 1}"] if i in (3, 6) else [], scheduled_resumed_reqs=[])
-             for i, n in enumerate((4, 4, 4, 5, 5, 5, 6, 6, 6, 6))]
+                             scheduled_new_reqs=[f"r{n - 1}"] if i == 4 else [], scheduled_resumed_reqs=[])
+             for i, n in enumerate((4, 4, 4, 4, 5, 5, 5, 5, 5, 6, 6))]
     records = []
     for n, plan in enumerate(plans):
         records.append(stage.begin_step(plan))
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
-    # Step 1 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
-    # step 2 did too, but the next step admitted a request; step 3 is the last of its length;
-    # 4 is the first of the next (its time includes the switch); 5 and 6 sat amid length 2, but
-    # 6 admitted a request (so 5 is followed by one that did); 7 is a plain step again.
-    assert policy.rates == [(0, 4, 11, False), (2, 5, 14, True), (2, 6, 17, False)]
+    # Step 2 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
+    # step 3 did too, but the next step admitted a request (4); 5 is the first of length 2 (its
+    # time includes the switch), 6 the second (not reported), 7 and 8 sat amid length 2; 9's
+    # tokens come only after the last step began.
+    assert policy.rates == [(0, 4, 12, False), (2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
 
 
 def test_fixed_policy():
