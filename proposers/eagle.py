@@ -51,7 +51,7 @@ from .heads import Eagle3Head, load_head
 from .recorded import Recorded
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
-from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed, warm_up_eager
 
 
 class EagleProposer(Proposer):
@@ -100,6 +100,7 @@ class EagleProposer(Proposer):
         self.chain, self.feed_graphs = None, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
+            warm_up_eager(self._feed_step, self.device, self.block_size)
             c = self.config
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1

@@ -50,7 +50,7 @@ from .draw import draw, plain_greedy
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
 from .recorded import Recorded
-from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed
+from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed, warm_up_eager
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
 MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": DeepSeekMTP}
@@ -115,6 +115,7 @@ class MTPProposer(Proposer):
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
+        warm_up_eager(self._feed_step, self.device, self.block_size)
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         hidden = ((self.hidden_size,), self.dtype)

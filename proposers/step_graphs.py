@@ -185,6 +185,19 @@ class StepGraphs:
         return self.outputs[size]
 
 
+def warm_up_eager(fn: StepFn, device: torch.device, block_size: int, sizes: Sequence[int] = (2, 16, 48)) -> None:
+    """``fn`` run eagerly once over one sequence of each of these lengths, writing no KV (slot -1):
+    the attention tiles of the ragged rows a catch-up feeds are compiled at start-up rather than in
+    the first step that needs them (most of a second each on a GPU); the lengths span the tile
+    heights, as the target's start-up does for short prompts. Nothing to compile off a GPU."""
+    if device.type != "cuda":
+        return
+    for n in sizes:
+        meta = AttentionMetadata.build([0, n], [n], [-1] * n, [list(range(-(-n // block_size)))], device)
+        with torch.inference_mode():
+            fn(meta, torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device))
+
+
 def last_pool(feeds: dict[int, StepGraphs]) -> object:
     """The memory pool the feed graphs were captured in (None if there are none). Graphs captured
     later in it never reuse the memory of the feeds' outputs, which stay referenced."""
