@@ -44,7 +44,7 @@ class StepRecord:
     started: float  # when it began sampling
     length: int = 0  # the policy's speculation length for it (steps of one length are compared)
     num_reqs: int = 0
-    admits: bool = False  # it starts requests (their prefill, and any idle wait before, is in it)
+    fresh: bool = False  # every request in it is new: the engine may have waited for them before it
     tokens: int | None = None  # tokens it commits, once sampled (on a sampling thread: later)
     reported: bool = False  # its rate went to the policy
 
@@ -107,22 +107,24 @@ class DraftingStage:
         wanted = length > 0
         drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
         record = StepRecord(wanted or not self.proposer.catches_up, drafts, time.perf_counter(), length, num_reqs,
-                            bool(plan.scheduled_new_reqs or plan.scheduled_resumed_reqs))
+                            len(plan.scheduled_new_reqs) + len(plan.scheduled_resumed_reqs) >= num_reqs)
         self._recent.append(record)
         self._report_rates()
         return record
 
     def _report_rates(self) -> None:
-        """Each step whose tokens are known and that the next step continued at its length: its
-        tokens and the wall time to the next step's start, once, marked ``first`` when the step
-        before it ran at another length; not the second step of a run (after a run with drafts it
-        is the first that overlaps the next, and its interval still holds the pipeline's refill),
-        nor when it or the next step starts requests (its time would count their prefill, a
-        proposer's first pass over their prompts, or the engine's idle wait for them)."""
+        """Each step whose tokens are known and whose next step has begun at its length: its tokens
+        and the wall time to the next step's start, once, marked ``first`` when the step before it
+        ran at another length. Steps that admit requests count like any other: their prefill costs
+        every length alike, but a proposer's first pass over the new prompts costs only the lengths
+        that draft, and a length whose other steps look cheap can lose on those. Not the second
+        step of a run (after a run with drafts it is the first that overlaps the next, and its
+        interval still holds the pipeline's refill), nor a step followed by one of only new
+        requests (the engine may have idled between them)."""
         recent = list(self._recent)
         for earlier, before, step, after in zip(recent, recent[1:], recent[2:], recent[3:]):
-            if (not step.reported and step.tokens and step.length == after.length
-                    and not step.admits and not after.admits and after.started > step.started
+            if (not step.reported and step.tokens and step.length == after.length and not after.fresh
+                    and after.started > step.started
                     and (before.length != step.length or earlier.length == step.length)):
                 step.reported = True
                 self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,

@@ -131,7 +131,8 @@ class AdaptivePolicy:
       measures it (a longer length's extra positions are measured when it runs);
     * step time is measured per batch-size bucket (a power of two) and length, on steps that ran
       amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
-      that overlaps the next, drafting included), decayed by ``decay`` per step measured. A bucket
+      that overlaps the next, drafting included, and steps that admit requests, where a proposer
+      that catches up pays for the new prompts), decayed by ``decay`` per step measured. A bucket
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
       length both measured; a length between two it has measured (0 and ``K``) is interpolated.
       A step counts at most ``OUTLIER`` times the estimate it joins: one pause (a garbage

@@ -175,9 +175,10 @@ def test_one_paused_step_barely_moves_its_lengths_step_time():
 
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
-    (a sampling thread); its rate is reported then, with its own request count, unless it or the
-    step after it admitted a request; the first step of a run is marked, the second not reported
-    (the pipeline refills)."""
+    (a sampling thread); its rate is reported then, with its own request count, whether or not it
+    admitted requests, unless the step after it holds only new requests (the engine may have
+    waited for them); the first step of a run is marked, the second not reported (the pipeline
+    refills)."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
@@ -195,19 +196,24 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     policy = Recorder()
     stage = DraftingStage(SimpleNamespace(catches_up=True), policy,
                           EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
-    plans = [SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(n)}, scheduled_spec_decode_tokens={},
-                             scheduled_new_reqs=[f"r{n - 1}"] if i == 4 else [], scheduled_resumed_reqs=[])
-             for i, n in enumerate((4, 4, 4, 4, 5, 5, 5, 5, 5, 6, 6))]
+    def plan(i, n):
+        new = [f"r{j}" for j in range(n)] if i == 3 else [f"r{n - 1}"] if i == 4 else []
+        return SimpleNamespace(num_scheduled_tokens={f"r{j}": 1 for j in range(n)}, scheduled_spec_decode_tokens={},
+                               scheduled_new_reqs=new, scheduled_resumed_reqs=[])
+
+    plans = [plan(i, n) for i, n in enumerate((4, 4, 4, 4, 5, 5, 5, 5, 5, 6, 6))]
     records = []
     for n, plan in enumerate(plans):
         records.append(stage.begin_step(plan))
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
-    # Step 2 sat amid steps of length 0 (reported two steps after it began, once its tokens came);
-    # step 3 did too, but the next step admitted a request (4); 5 is the first of length 2 (its
-    # time includes the switch), 6 the second (not reported), 7 and 8 sat amid length 2; 9's
-    # tokens come only after the last step began.
-    assert policy.rates == [(0, 4, 12, False), (2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
+    # Steps 2 and 3 sat amid steps of length 0 (reported two steps after they began, once their
+    # tokens came), but step 3 holds only new requests: the engine may have idled before it, so
+    # step 2 is not reported; step 3 is, although the step after it admitted a request; step 4
+    # ends the run of length 0; 5 is the first of length 2 (its time includes the switch), 6 the
+    # second (not reported), 7 and 8 sat amid length 2; 9's tokens come only after the last step
+    # began.
+    assert policy.rates == [(0, 4, 13, False), (2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
 
 
 def test_fixed_policy():
