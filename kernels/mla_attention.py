@@ -27,7 +27,9 @@ BLOCK_H_MAX = 16  # heads per program
 BLOCK_N = 32  # keys per tile: a [RANK, 32] bf16 tile of DeepSeek's 512-wide latent is 32 KiB
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
+# One compile for every batch size and block-table width (an eager caller's table is as wide as
+# its longest sequence: a width divisible by 16 would otherwise compile a variant mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _mla_attention_kernel(
     qn_ptr, qr_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,

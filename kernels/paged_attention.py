@@ -42,7 +42,9 @@ def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
+# One compile for every batch size and block-table width (an eager caller's table is as wide as
+# its longest sequence: a width divisible by 16 would otherwise compile a variant mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,

@@ -116,6 +116,7 @@ class _Acceptance:
 
 
 OUTLIER = 4.0  # a measured step counts at most this many times its length's estimate
+REPORT_LAG = 6  # steps after a step that its time may be reported (the drafting stage keeps 6)
 
 
 class AdaptivePolicy:
@@ -139,7 +140,8 @@ class AdaptivePolicy:
       collection, the machine busy elsewhere) would otherwise mark its length dear for many steps.
 
     Step times reported during the first ``warmup`` steps (``2 * probe_len``: the first probes of
-    ``K`` and 0) are dropped: a fresh engine's first steps carry one-time costs, and one bad
+    ``K`` and 0) are dropped, and so are those reported in the ``REPORT_LAG`` steps after, which
+    may still be of warm-up steps: a fresh engine's first steps carry one-time costs, and one bad
     measurement of a length would otherwise keep the policy off it for thousands of steps.
 
     The policy runs the length with the highest rate, but holds the length it runs in a bucket
@@ -290,7 +292,7 @@ class AdaptivePolicy:
             self.acceptance.add(verified, accepted)
 
     def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
-        if self.num_steps < self.warmup:
+        if self.num_steps < self.warmup + (REPORT_LAG if self.warmup else 0):
             return
         kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
                                                                   [0.0, 0.0])
