@@ -229,8 +229,11 @@ class AdaptivePolicy:
         self.num_steps += 1
         bucket = max(len(req_ids), 1).bit_length()
         self.first_seen.setdefault(bucket, self.num_steps)
-        if self.probe is not None and self.probe[0] == bucket and self.probe[2] > 0:
-            self.probe = (bucket, self.probe[1], self.probe[2] - 1)
+        # A probe runs its steps out even when the batch crosses into another bucket (a request
+        # finished, the next not yet admitted): cut short, it would measure nothing (its last step
+        # is not reported) and be tried again at every crossing, each a switch.
+        if self.probe is not None and self.probe[2] > 0:
+            self.probe = (self.probe[0], self.probe[1], self.probe[2] - 1)
             self.length = self.probe[1]
             return self.length
         self.probe = None

@@ -99,6 +99,24 @@ def test_each_batch_size_has_its_own_choice():
     assert m.run(200, 32, 0.7, LARGE).count(0) > 150
 
 
+def test_probes_run_their_steps_out_when_the_batch_crosses_buckets():
+    """A batch of 31 or 32 requests (one finished, the next not yet admitted) crosses between two
+    buckets every few steps: a probe still runs ``probe_len`` steps, rather than one step per
+    crossing that measures nothing and is tried again at the next."""
+    m = Machine(policy())
+    for _ in range(400):
+        m.run(3, 31, 0.7, LARGE)
+        m.run(3, 32, 0.7, LARGE)
+    runs: list[list[int]] = []
+    for n in m.lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    assert all(count >= 8 for n, count in runs[:-1] if n)
+    assert m.lengths[-1200:].count(0) > 1100
+
+
 def test_a_new_batch_size_starts_from_the_nearest_one_measured():
     p = policy()
     Machine(p).run(2000, 1, 0.7, SMALL)
