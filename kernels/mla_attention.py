@@ -21,15 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention import _find_seq, _reduce_splits_kernel, prefill_splits
+from .paged_attention import _UNSPECIALIZED, _find_seq, _reduce_splits_kernel, _unused_parts, prefill_splits
 
 BLOCK_H_MAX = 16  # heads per program
 BLOCK_N = 32  # keys per tile: a [RANK, 32] bf16 tile of DeepSeek's 512-wide latent is 32 KiB
 
 
-# One compile for every batch size and block-table width (an eager caller's table is as wide as
-# its longest sequence: a width divisible by 16 would otherwise compile a variant mid-serving).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(**_UNSPECIALIZED)  # one compile for every batch size, table width and metadata slice
 def _mla_attention_kernel(
     qn_ptr, qr_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
@@ -173,7 +171,7 @@ def mla_attention(
         part_acc = torch.empty(parts * rank_pad, dtype=torch.float32, device=q_nope.device)
         part_ml = torch.empty(parts * 2, dtype=torch.float32, device=q_nope.device)
     else:
-        part_acc = part_ml = out  # unused
+        part_acc = part_ml = _unused_parts(q_nope.device)  # unused; float32 like the real ones
     _mla_attention_kernel[(num_q_blocks, triton.cdiv(num_heads, block_h), num_splits)](
         q_nope, q_rope, cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,

@@ -20,6 +20,7 @@ sequences decode over long contexts.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -42,9 +43,16 @@ def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo
 
 
-# One compile for every batch size and block-table width (an eager caller's table is as wide as
-# its longest sequence: a width divisible by 16 would otherwise compile a variant mid-serving).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# Triton compiles a variant per divisibility of an integer argument and per 16-byte alignment of
+# a pointer. Eager callers (a proposer catching up, a mixed prefill step) pass batch sizes,
+# block-table widths and metadata slices that vary from step to step, so those are not
+# specialized on: one compile serves them all, none lands mid-serving.
+_UNSPECIALIZED = dict(do_not_specialize=["num_seqs", "stride_bt"])
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _UNSPECIALIZED["do_not_specialize_on_alignment"] = ["qsl_ptr", "seq_lens_ptr", "block_table_ptr"]
+
+
+@triton.jit(**_UNSPECIALIZED)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
@@ -167,6 +175,15 @@ def _reduce_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
+_UNUSED_PARTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused_parts(device: torch.device) -> torch.Tensor:
+    if device not in _UNUSED_PARTS:
+        _UNUSED_PARTS[device] = torch.empty(4, dtype=torch.float32, device=device)
+    return _UNUSED_PARTS[device]
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
                       block_n: int = 64) -> int:
     """Flash-decoding splits: enough programs to fill the chip when few sequences decode, never
@@ -263,8 +280,8 @@ def paged_attention(
         part_acc = torch.empty(num_tokens * num_q_heads * num_splits * head_dim_pad, dtype=torch.float32,
                                device=q.device)
         part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    else:  # unused; float32 like the real ones, so that both run one compile
+        part_acc = part_ml = _unused_parts(q.device)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,

@@ -100,7 +100,7 @@ class EagleProposer(Proposer):
         self.chain, self.feed_graphs = None, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
-            warm_up_eager(self._feed_step, self.device, self.block_size)
+            warm_up_eager(self._feed_step, self.device, self.block_size, self.config.max_model_len or 2048)
             c = self.config
             hidden = ((self.head_config.hidden_size,), self.dtype)
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1

@@ -115,7 +115,7 @@ class MTPProposer(Proposer):
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
-        warm_up_eager(self._feed_step, self.device, self.block_size)
+        warm_up_eager(self._feed_step, self.device, self.block_size, self.config.max_model_len or 2048)
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         hidden = ((self.hidden_size,), self.dtype)

@@ -185,17 +185,22 @@ class StepGraphs:
         return self.outputs[size]
 
 
-def warm_up_eager(fn: StepFn, device: torch.device, block_size: int, sizes: Sequence[int] = (2, 16, 48)) -> None:
-    """``fn`` run eagerly once over one sequence of each of these lengths, writing no KV (slot -1):
-    the attention tiles of the ragged rows a catch-up feeds are compiled at start-up rather than in
-    the first step that needs them (most of a second each on a GPU); the lengths span the tile
-    heights, as the target's start-up does for short prompts. Nothing to compile off a GPU."""
+def warm_up_eager(fn: StepFn, device: torch.device, block_size: int, max_len: int,
+                  rows: Sequence[int] = (1, 2, 8, 16, 48)) -> None:
+    """``fn`` run eagerly once over one sequence for each of these row counts at a few context
+    lengths up to ``max_len`` (1,024 at most), writing no KV (slot -1): the attention variants of
+    the ragged rows a catch-up feeds (a tile height per row count; a split count per context
+    length) are compiled at start-up rather than in the first step that needs them (most of a
+    second each on a GPU). Nothing to compile off a GPU."""
     if device.type != "cuda":
         return
-    for n in sizes:
-        meta = AttentionMetadata.build([0, n], [n], [-1] * n, [list(range(-(-n // block_size)))], device)
-        with torch.inference_mode():
-            fn(meta, torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device))
+    for context in [c for c in (64, 384, 768) if c <= max_len] or [max_len]:
+        for n in (r for r in rows if r <= context):
+            table = [list(range(-(-context // block_size)))]
+            meta = AttentionMetadata.build([0, n], [context], [-1] * n, table, device)
+            with torch.inference_mode():
+                fn(meta, torch.zeros(n, dtype=torch.int64, device=device),
+                   torch.arange(context - n, context, device=device))
 
 
 def last_pool(feeds: dict[int, StepGraphs]) -> object:
