@@ -183,6 +183,7 @@ class AdaptivePolicy:
         self.held: dict[int, int] = {}  # per bucket, the length it runs between probes
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
+        self.last_bucket = 0
 
     # --- measurements --------------------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class AdaptivePolicy:
 
     def drafting(self, req_ids: Sequence[str]) -> int:
         self.num_steps += 1
-        bucket = max(len(req_ids), 1).bit_length()
+        bucket = self._bucket(len(req_ids))
         self.first_seen.setdefault(bucket, self.num_steps)
         # A probe runs its steps out even when the batch crosses into another bucket (a request
         # finished, the next not yet admitted): cut short, it would measure nothing (its last step
@@ -239,6 +240,19 @@ class AdaptivePolicy:
         self.probe = None
         self.length = self._next_length(bucket)
         return self.length
+
+    def _bucket(self, num_reqs: int) -> int:
+        """Powers of two, but a batch a few requests short of the next one keeps that bucket when
+        the last step was in it: a full batch dips below a power of two for a step whenever a
+        request finishes before the next is admitted, and each dip would otherwise run the smaller
+        bucket's length for one step, a switch each way."""
+        n = max(num_reqs, 1)
+        bucket = n.bit_length()
+        top = 1 << bucket  # the smallest batch of the next bucket
+        if self.last_bucket == bucket + 1 and n >= top - max(1, top // 16):
+            bucket += 1
+        self.last_bucket = bucket
+        return bucket
 
     def _next_length(self, bucket: int) -> int:
         if self.num_steps < self.warmup:  # warm K and 0 up in turn

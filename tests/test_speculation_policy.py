@@ -117,6 +117,21 @@ def test_probes_run_their_steps_out_when_the_batch_crosses_buckets():
     assert m.lengths[-1200:].count(0) > 1100
 
 
+def test_a_full_batch_that_dips_by_a_request_keeps_its_length():
+    """Trained at 32 requests (drafting does not pay), a batch of 31 between batches of 32 (a
+    request finished, the next not yet admitted) runs the same length: not the one its own bucket
+    (16-31) would pick, for one step, a switch each way."""
+    p = policy(max_interval=1 << 20, min_interval=1 << 20)
+    m = Machine(p)
+    m.run(2000, 32, 0.7, LARGE)
+    m.run(500, 1, 0.7, SMALL)  # teaches the smaller buckets (by borrowing) that drafting pays
+    m.run(200, 32, 0.7, LARGE)
+    full = [f"r{i}" for i in range(32)]
+    chosen = [p.drafting(full[:31] if i % 3 == 0 else full) for i in range(60)]
+    assert chosen == [0] * 60
+    assert p.drafting(full[:20]) != 0  # a batch well inside the smaller bucket is that bucket's
+
+
 def test_a_new_batch_size_starts_from_the_nearest_one_measured():
     p = policy()
     Machine(p).run(2000, 1, 0.7, SMALL)
