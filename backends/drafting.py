@@ -292,7 +292,8 @@ class DraftingStage:
         k = self.proposer.num_speculative_tokens
         inputs.max_drafts = np.array(self.policy.choose(inputs.req_ids, k), dtype=np.int64)
         if self.proposer.needs_hidden_states:
-            _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx)
+            _add_hidden_states(inputs, batch, hidden_states, aux_hidden_states, sampled, idx,
+                               states=not self.proposer.records_hidden_states)
         proposal: DraftProposal = self.proposer.propose(inputs)
         drafts = [list(map(int, d)) for d in proposal.draft_token_ids]
         probs = list(proposal.draft_probs) if proposal.draft_probs else [None] * len(drafts)
@@ -354,22 +355,24 @@ class DraftingStage:
 
 
 def _add_hidden_states(inputs: ProposerInputs, batch: InputBatch, hidden: torch.Tensor, aux: list[torch.Tensor],
-                       sampled: list[list[int]], idx: list[int]) -> None:
+                       sampled: list[list[int]], idx: list[int], states: bool = True) -> None:
     """The hidden-state rows of the requests in ``inputs``, made contiguous when partial prefills
-    (which sample nothing) sit between them."""
+    (which sample nothing) sit between them; without ``states`` (a proposer that reads the states
+    it recorded during the forward) only their layout: query starts, positions, sampled rows."""
     qsl = batch.query_start_loc
     rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in idx])
     lengths = np.array([qsl[i + 1] - qsl[i] for i in idx], dtype=np.int64)
     sub_qsl = np.concatenate([[0], np.cumsum(lengths)])
     positions = batch.positions.cpu().numpy()
-    hidden = hidden[:batch.num_tokens]
-    if len(idx) != len(batch.req_ids):
-        index = torch.as_tensor(rows, device=hidden.device)
-        hidden, aux = hidden[index], [a[index] for a in aux]
     inputs.query_start_loc = sub_qsl
     inputs.positions = positions[rows]
-    inputs.hidden_states = hidden
-    inputs.aux_hidden_states = tuple(aux)
+    if states:
+        hidden = hidden[:batch.num_tokens]
+        if len(idx) != len(batch.req_ids):
+            index = torch.as_tensor(rows, device=hidden.device)
+            hidden, aux = hidden[index], [a[index] for a in aux]
+        inputs.hidden_states = hidden
+        inputs.aux_hidden_states = tuple(aux)
     # The newest token came from the row of the last accepted draft (or the bonus row).
     inputs.sampled_rows = np.array([sub_qsl[k + 1] - batch.sample_rows[i][1] + len(sampled[i]) - 1
                                     if sampled[i] else -1 for k, i in enumerate(idx)], dtype=np.int64)

@@ -96,7 +96,8 @@ class ProposerInputs:
     max_drafts: np.ndarray | None = None  # [B]
     # The target's forward this step: rows ``query_start_loc[i]:query_start_loc[i + 1]`` of the
     # hidden states belong to request ``i`` (their last ``num_rejected[i]`` rows held rejected
-    # drafts). Filled only for proposers with ``needs_hidden_states``.
+    # drafts). Filled only for proposers with ``needs_hidden_states``; the states themselves not for
+    # one that ``records_hidden_states`` (it reads what it recorded during the forward).
     query_start_loc: np.ndarray | None = None  # [B + 1]
     positions: np.ndarray | None = None  # [num_step_tokens] position of each hidden-state row
     hidden_states: torch.Tensor | None = None  # [num_step_tokens, H] final states (after the final norm)
