@@ -51,6 +51,7 @@ from .heads import Eagle3Head, load_head
 from .recorded import Recorded
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
+from .feed_graphs import FeedGraphs
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed, warm_up_eager
 
 
@@ -84,6 +85,7 @@ class EagleProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
+        self.ragged: FeedGraphs | None = None  # catch-ups' ragged feeds
         # The head's input states of the target's rows, by KV slot, and how far each request is fed.
         self.recorded = Recorded(self.head_config.hidden_size, self.dtype, self.device,
                                  max(config.max_num_batched_tokens or 8192, 1024))
@@ -97,7 +99,7 @@ class EagleProposer(Proposer):
         shape = self.attn_backend.kv_cache_shape(num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
         self.recorded.allocate(num_kv_blocks * self.block_size)
-        self.chain, self.feed_graphs = None, {}
+        self.chain, self.feed_graphs, self.ragged = None, {}, None
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if self.graphs_on:
             warm_up_eager(self._feed_step, self.device, self.block_size, self.config.max_model_len or 2048)
@@ -111,6 +113,10 @@ class EagleProposer(Proposer):
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
                                          self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
                 self.chain.capture()
+            # Last in the pool: no graph captured after it whose outputs its replays could overwrite.
+            self.ragged = FeedGraphs(self._feed_step, self.device, c.max_num_seqs, self.recorded.max_rows, max_len,
+                                     self.block_size, pool=self.chain.pool if self.chain else last_pool(self.feed_graphs))
+            self.ragged.capture()
 
     def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                slot_mapping: torch.Tensor) -> None:
@@ -216,13 +222,17 @@ class EagleProposer(Proposer):
         last = torch.empty(len(start), self.head_config.hidden_size, dtype=self.dtype, device=self.device)
         for pieces in self.recorded.pieces(start, end):
             group = [(int(reqs[k]), s, e) for k, s, e in pieces]
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
+            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
+            if self.ragged is not None and self.ragged.fits(len(group), sum(e - s for _, s, e in group)):
+                out = self.ragged.run(group, inputs.token_ids, inputs.block_ids)  # each piece's last row
+                last[index] = out[torch.as_tensor(ends, dtype=torch.int64, device=self.device)]
+                continue
             positions = np.concatenate([np.arange(s, e) for _, s, e in group])
             qsl = np.concatenate([[0], np.cumsum([e - s for _, s, e in group])])
             ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
-            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
-            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
             last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, dtype=torch.int64, device=self.device)]
         return last
 

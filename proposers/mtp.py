@@ -50,6 +50,7 @@ from .draw import draw, plain_greedy
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
 from .recorded import Recorded
+from .feed_graphs import FeedGraphs
 from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, uniform_feed, warm_up_eager
 
 # Target architectures whose checkpoints carry MTP layers, and the module that runs them.
@@ -99,6 +100,7 @@ class MTPProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K (one-layer checkpoints)
         self.feed_graphs: dict[int, StepGraphs] = {}  # the first step's, by rows per request
+        self.ragged: FeedGraphs | None = None  # catch-ups' ragged feeds
         # The target's final states by KV slot, and how far each request is fed.
         self.recorded = Recorded(self.hidden_size, self.dtype, self.device,
                                  max(config.max_num_batched_tokens or 8192, 1024))
@@ -111,7 +113,7 @@ class MTPProposer(Proposer):
         shape = self.cache_config.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.recorded.allocate(num_kv_blocks * self.block_size)
-        self.chain, self.feed_graphs = None, {}
+        self.chain, self.feed_graphs, self.ragged = None, {}, None
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
@@ -127,6 +129,10 @@ class MTPProposer(Proposer):
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
                                      pool=last_pool(self.feed_graphs))
             self.chain.capture()
+        # Last in the pool: no graph captured after it whose outputs its replays could overwrite.
+        self.ragged = FeedGraphs(self._feed_step, self.device, c.max_num_seqs, self.recorded.max_rows, max_len,
+                                 self.block_size, pool=self.chain.pool if self.chain else last_pool(self.feed_graphs))
+        self.ragged.capture()
 
     def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
                slot_mapping: torch.Tensor) -> None:
@@ -232,15 +238,19 @@ class MTPProposer(Proposer):
         last = torch.empty(len(start), self.hidden_size, dtype=self.dtype, device=self.device)
         for pieces in self.recorded.pieces(start, end):
             group = [(int(reqs[k]), s, e) for k, s, e in pieces]
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
+            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
+            if self.ragged is not None and self.ragged.fits(len(group), sum(e - s for _, s, e in group)):
+                out = self.ragged.run(group, inputs.token_ids, inputs.block_ids)  # each piece's last row
+                last[index] = out[torch.as_tensor(ends, dtype=torch.int64, device=self.device)]
+                continue
             positions = [np.arange(s, e) for _, s, e in group]
             tokens = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             reqs = [i for i, _, _ in group]
             outs = [self._forward(inputs, reqs, positions, tokens, hidden, layer) for layer in range(self.num_layers)]
-            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
             rows = np.cumsum([len(p) for p in positions]) - 1
-            last[torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
-                outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
+            last[index] = outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs

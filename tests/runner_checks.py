@@ -206,7 +206,7 @@ def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
 def _eager_captures(monkeypatch: Any) -> list:
     """Make proposers capture eager stand-ins (in their own capture order) wherever they would
     capture CUDA graphs; returns the graph sets in capture order."""
-    from specloop.proposers import chain_graphs, draft_model, eagle, mtp, step_graphs
+    from specloop.proposers import chain_graphs, draft_model, eagle, feed_graphs, mtp, step_graphs
 
     captured: list = []
 
@@ -216,6 +216,7 @@ def _eager_captures(monkeypatch: Any) -> list:
 
     monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda g: capture(g, _step_forward))
     monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
+    monkeypatch.setattr(feed_graphs.FeedGraphs, "capture", lambda g: capture(g, _step_forward))
     for module in (draft_model, eagle, mtp):
         monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
     return captured
@@ -274,9 +275,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 prop = runner.drafter.proposer
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
                 runner.drafter.policy = Alternating(on=3, off=2)
-                # the feeds' graph sets, then the chain's (captured last)
+                # the feeds' graph sets, then the chain's, then (EAGLE) the ragged feeds'
                 assert prop.graphs_on is (mode == "graphs")
-                order = [*prop.feed_graphs.values(), prop.chain]
+                order = [*prop.feed_graphs.values(), prop.chain, getattr(prop, "ragged", None)]
                 assert captured == ([g for g in order if g is not None] if prop.graphs_on else []), captured
                 seen: list = []
                 runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen)
@@ -294,6 +295,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                            "launched": sum(d is not None for d in launched)}
                 if method != "draft_model":
                     replays["skipped"] = prop.recorded.skips
+                if getattr(prop, "ragged", None) is not None:
+                    replays["ragged"] = prop.ragged.num_replays
             elif mode == "eager":
                 assert not any(d is not None for d in launched), (method, mode, "launched")
         finally:
@@ -310,6 +313,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     assert replays["steps"] > 0 and replays["feed q=2" if method == "draft_model" else "feed q=4"] > 0, replays
     # At length 0 EAGLE-3 and MTP skip the step and catch up later.
     assert method == "draft_model" or replays["skipped"] > 0, replays
+    # EAGLE-3 and MTP catch up (new prompts, skipped steps) in their ragged feed graphs.
+    assert method == "draft_model" or replays["ragged"] > 0, replays
 
 
 def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> None:
