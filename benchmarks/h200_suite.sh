@@ -8,7 +8,7 @@
 # configuration, 2 by default; SPEC_ROUNDS: at least that many rounds of each batch size in the spec
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b)
-# (stages: tests offline decode decode8b prefill breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests offline decode decode8b prefill gemv breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -65,6 +65,12 @@ for s in $stages; do
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
              --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ;;
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
+    gemv)  # the few-rows linear kernel against cuBLAS at decode shapes, then batch-1/4 decode with it and without
+      stage gemv "${T_GEMV:-200}" python3 benchmarks/gemv.py --out "$RES/gemv"
+      stage decode_skinny "${T_DECODE_SKINNY:-240}" python3 benchmarks/decode_latency.py --out "$RES/skinny" \
+             --ckpt-root "$CKPT" --shapes qwen3-0.6b,llama3-8b --batch-sizes 1,4 --skinny-gemv
+      stage decode_cublas "${T_DECODE_SKINNY:-240}" python3 benchmarks/decode_latency.py --out "$RES/cublas" \
+             --ckpt-root "$CKPT" --shapes qwen3-0.6b,llama3-8b --batch-sizes 1,4 ;;
     tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
         stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;

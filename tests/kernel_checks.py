@@ -212,6 +212,32 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
         assert rel_err(out, want) < TOL[dtype] / 10, "silu_and_mul differs"
 
 
+def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
+    """The few-rows linear layer against ``F.linear`` in float64: one to four rows, with and without
+    a bias, over a single slice of ``K`` and split into slices (a ragged last one) added in order."""
+    from specloop.kernels.gemv import MAX_ROWS, few_rows_linear, skinny_linear
+
+    for rows, n, k, split, bias in ((1, 37, 300, None, False), (3, 50, 1100, 4, True), (4, 16, 64, 1, True),
+                                    (2, 70, 2048, None, False)):
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+        b = torch.randn(n, dtype=dtype, device=device) if bias else None
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
+        out = skinny_linear(x, w, b, config=(64, 4, 2), split=split, num_sms=4)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, split {split}"
+    x = torch.randn(2, 3, 64, dtype=dtype, device=device)  # leading dims, as a layer's input has them
+    w = torch.randn(24, 64, dtype=dtype, device=device)
+    assert few_rows_linear(x, w).shape == (2, 3, 24)
+    assert rel_err(few_rows_linear(x, w), torch.nn.functional.linear(x.double(), w.double())) < TOL[dtype]
+    try:
+        skinny_linear(torch.randn(MAX_ROWS + 1, 64, dtype=dtype, device=device), w)
+    except ValueError as e:
+        assert "at most" in str(e)
+    else:
+        raise AssertionError("skinny_linear took more rows than it handles")
+
+
 def _rowwise_interpreter_dot() -> None:
     """Under ``TRITON_INTERPRET`` a ``tl.dot`` tile is numpy's matmul, whose BLAS may round a row
     differently by where it sits in the tile (numpy 2.4's does, by one ulp); a GPU's MMA tile does
@@ -317,6 +343,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     record each kernel launch as (kernel, arguments, launch options) instead of running it."""
     import specloop.kernels.activation as activation
     import specloop.kernels.fused_moe as moe
+    import specloop.kernels.gemv as gemv
     import specloop.kernels.kv_write as kv_write_mod
     import specloop.kernels.matmul as matmul
     import specloop.kernels.mla_attention as mla
@@ -343,7 +370,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, route, matmul)
+               moe, route, matmul, gemv)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -361,6 +388,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, invariant=True)
             for rows in (1, 300):
                 matmul.invariant_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(4096, 1024, dtype=dtype))
+            for rows, config in ((1, gemv.DEFAULT_CONFIG), (4, (512, 8, 4)), (2, (128, 2, 2))):
+                w = torch.randn(1024, 3072, dtype=dtype)  # split (a down projection) and not (an LM head)
+                gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], config=config)
+                gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
+                                   config=config)
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           decode_config=config)
@@ -450,6 +482,7 @@ ALL_CHECKS = {
     "qk_rope_cache": check_qk_rope_cache,
     "silu_and_mul": check_silu_and_mul,
     "matmul": check_matmul,
+    "skinny_linear": check_skinny_linear,
     **mla_moe_checks.CHECKS,
     "token_bitmask": check_token_bitmask,
 }

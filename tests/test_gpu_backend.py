@@ -41,8 +41,8 @@ LARGE_MOE_CASES = [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (700, 2048, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route",
-                                   "token_bitmask"])
+                                   "silu_and_mul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe",
+                                   "moe_route", "token_bitmask"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
 

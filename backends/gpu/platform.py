@@ -11,7 +11,9 @@ Options (``config.plugin_options["gpu"]``): ``fused`` (default on), ``cuda_graph
 unless ``enforce_eager``; CUDA only, and only with the fused ops), ``device_proposals`` (default on:
 a proposer that can launches its greedy proposal from the device after a verification, its drafts
 left in the device token rows; off, it proposes once the host has read the step) and
-``device_timeline`` (device timestamps for the step timeline). Any other key is refused.
+``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default off: the
+target's linear layers run ``kernels.gemv`` for steps of at most 4 rows, cuBLAS for the rest; not
+with ``batch_invariant``). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import logging
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
+from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import TORCH_OPS, TRITON_OPS, Ops
+from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 from ..distributed import TensorParallelRunner, launch_model_runner
 from ..executor import EagerExecutor
@@ -39,7 +43,7 @@ logger = logging.getLogger("specloop")
 class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
-    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline")
+    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -50,6 +54,10 @@ class GpuPlatform:
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
         self.device_proposals = bool(opts.get("device_proposals", True))
+        self.skinny_gemv = bool(opts.get("skinny_gemv", False))
+        if self.skinny_gemv and config.batch_invariant:
+            raise ValueError("plugin_options['gpu']['skinny_gemv'] and batch_invariant=True both choose the linear "
+                             "layers' kernel; use one")
 
     def ops(self, config: EngineConfig) -> Ops:
         return TRITON_OPS if self.fused else TORCH_OPS
@@ -58,6 +66,8 @@ class GpuPlatform:
         c = runner.config
         if c.batch_invariant:
             logger.info("batch-invariant kernels in %d linear layers", make_batch_invariant(runner))
+        if self.skinny_gemv:
+            logger.info("few-rows kernels in %d linear layers", use_few_rows_linear(runner.model))
         k = c.num_lookahead_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         max_tokens = max(c.max_num_batched_tokens or 8192, c.max_num_seqs * (k + 1))
@@ -85,6 +95,17 @@ class GpuPlatform:
         executor = runner.parts.executor
         if isinstance(executor, GraphExecutor):
             executor.capture()
+
+
+def use_few_rows_linear(model: object) -> int:
+    """The ``skinny_gemv`` option: every linear layer of ``model`` runs ``kernels.gemv``'s
+    ``few_rows_linear`` (its kernel for at most 4 rows, ``F.linear`` for more); the layers switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.matmul = few_rows_linear
+            switched += 1
+    return switched
 
 
 def gpu_model_runner(config: EngineConfig, plugins: PluginManager) -> ModelRunner | TensorParallelRunner:

@@ -1,0 +1,127 @@
+"""The few-rows linear kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at the linear
+layers of a decode step: qwen3-0.6b's and llama3-8b's fused q/k/v, output, fused gate/up, down and
+LM head projections, bf16, 1, 2 and 4 rows.
+
+Each timing is a CUDA graph of ``--calls`` back-to-back products replayed ``--replays`` times, as a
+decode step's graph runs them, over enough copies of the weight (at least ``--rotate-mb`` MB) that
+no call finds its weights in the 50 MB L2 cache left by the one before. Reported: microseconds a
+call, the weight bytes a call reads over that time, and, for the few-rows kernel, its default tile
+and the fastest of the tiles swept (``BLOCK_K`` x warps x stages).
+
+    python benchmarks/gemv.py --out out/gemv            # on the H200 (the suite's ``gemv`` stage)
+    python benchmarks/gemv.py --smoke                   # a check of the script: one shape, interpreter-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if "--smoke" in sys.argv:  # the kernel on the CPU: Triton's interpreter, chosen before the kernel is defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from common import SHAPES  # noqa: E402
+
+from specloop.kernels.gemv import DEFAULT_CONFIG, skinny_linear  # noqa: E402
+
+
+def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each linear layer, fused as the model runs them."""
+    s = SHAPES[shape]
+    h, heads, kv, d, inter = (s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
+                              s["intermediate_size"])
+    return [("qkv", (heads + 2 * kv) * d, h), ("o", h, heads * d), ("gate_up", 2 * inter, h), ("down", h, inter),
+            ("lm_head", s["vocab_size"], h)]
+
+
+def time_call(fn: Callable[[int], Any], copies: int, calls: int, replays: int) -> float:
+    """Microseconds a call, ``fn(i)`` using weight copy ``i % copies``, inside one CUDA graph."""
+    for i in range(copies):  # compile, and let cuBLAS pick
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/gemv")
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama3-8b")
+    parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--rotate-mb", type=int, default=256)
+    parser.add_argument("--sweep", default="128,256,512:2,4,8:2,3,4", help="BLOCK_K list : warps list : stages list")
+    parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
+    args = parser.parse_args()
+    if args.smoke:
+        x = torch.randn(2, 256, dtype=torch.float32)
+        w = torch.randn(64, 256, dtype=torch.float32)
+        err = (skinny_linear(x, w) - F.linear(x, w)).abs().max().item()
+        print(f"smoke: {len(layer_shapes('qwen3-0.6b'))} layers of qwen3-0.6b, max error {err:.2e}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv.py times CUDA graphs: run it on a GPU (or --smoke)")
+    ks, warps, stages = ([int(v) for v in part.split(",")] for part in args.sweep.split(":"))
+    sweep = list(itertools.product(ks, warps, stages))
+    os.makedirs(args.out, exist_ok=True)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    results = []
+    print("| shape | layer | N x K | rows | cuBLAS us (GB/s) | kernel, default us (GB/s) | kernel, best us (GB/s) "
+          "| best tile | best / cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        for name, n, k in layer_shapes(shape):
+            size = n * k * 2
+            copies = max(1, -(-args.rotate_mb * 2 ** 20 // size))
+            weights = [torch.randn(n, k, dtype=dtype, device=dev) * 0.02 for _ in range(copies)]
+            for m in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(m, k, dtype=dtype, device=dev)
+                want = F.linear(x.float(), weights[0].float())
+                got = skinny_linear(x, weights[0])
+                err = ((got.float() - want).norm() / want.norm()).item()
+                cublas = time_call(lambda i: F.linear(x, weights[i]), copies, args.calls, args.replays)
+                default = time_call(lambda i: skinny_linear(x, weights[i]), copies, args.calls, args.replays)
+                tiles = {}
+                for config in sweep:
+                    try:
+                        tiles[config] = time_call(lambda i, c=config: skinny_linear(x, weights[i], config=c), copies,
+                                                  args.calls, args.replays)
+                    except Exception as e:  # a tile that does not fit (registers, shared memory)
+                        tiles[config] = float("inf")
+                        print(f"  tile {config}: {type(e).__name__}", file=sys.stderr)
+                best = min(tiles, key=tiles.get)
+                row = dict(shape=shape, layer=name, n=n, k=k, rows=m, bytes=size, rel_err=err, cublas_us=cublas,
+                           default_us=default, default_config=list(DEFAULT_CONFIG), best_us=tiles[best],
+                           best_config=list(best), tiles={str(c): t for c, t in tiles.items()})
+                results.append(row)
+                gbs = lambda us: size / us / 1e3  # noqa: E731
+                print(f"| {shape} | {name} | {n} x {k} | {m} | {cublas:.1f} ({gbs(cublas):.0f}) | {default:.1f} "
+                      f"({gbs(default):.0f}) | {tiles[best]:.1f} ({gbs(tiles[best]):.0f}) | {best} | "
+                      f"{cublas / tiles[best]:.2f}x |", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "gemv.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
