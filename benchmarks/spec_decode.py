@@ -164,6 +164,36 @@ class PolicyTrace:
                             for k, v in sorted(self.steps.items())}}
 
 
+class StepTimes:
+    """Where a timed run's wall time went, by step: the speculation length it ran at, whether it
+    was the first of a run at that length (a switch: a drained pipeline, a catch-up) and whether it
+    admitted requests (their prefill, a proposer's first pass over their prompts). A step's time is
+    from its sampling to the next step's, as the drafting stage measures it for the policy."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.steps: list[tuple[float, int, bool]] = []  # (sampling began, length, admits)
+        self.runs: list[dict[str, list[float]]] = []
+        begin = drafter.begin_step
+
+        def traced(plan: Any) -> Any:
+            record = begin(plan)
+            self.steps.append((record.started, record.length,
+                               bool(plan.scheduled_new_reqs or plan.scheduled_resumed_reqs)))
+            return record
+        drafter.begin_step = traced
+
+    def end_run(self) -> None:
+        """Close a timed run: ``{category: [steps, milliseconds]}``."""
+        cats: dict[str, list[float]] = {}
+        steps, self.steps = self.steps, []
+        for (_, before, _), (t, length, admits), (after, _, _) in zip(steps, steps[1:], steps[2:]):
+            key = f"L{length}" + ("-first" if before != length else "") + ("-admit" if admits else "")
+            c = cats.setdefault(key, [0, 0.0])
+            c[0] += 1
+            c[1] += 1e3 * (after - t)
+        self.runs.append({k: [n, round(ms, 1)] for k, (n, ms) in sorted(cats.items())})
+
+
 class Engine:
     """One ``LLM`` (with or without speculation) generating the benchmark's prompts ``batch_size`` at
     a time, one ``generate`` call per round."""
@@ -194,6 +224,7 @@ class Engine:
             drafter.policy.drafting = lambda req_ids: 0
             drafter.policy.choose = lambda req_ids, limit: [0] * len(req_ids)
         self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
+        self.step_times = StepTimes(drafter) if drafter is not None else None
         freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
         # The first timed run's tokens and counters (greedy: every run is the same).
@@ -208,6 +239,8 @@ class Engine:
         if self.cuda:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - t0)
+        if self.step_times is not None:
+            self.step_times.end_run()
         if self.stats is None:
             self.stats = counters(before, self.llm.get_metrics())
             drafter = self.llm.core.runner.drafter
@@ -401,6 +434,8 @@ def main() -> None:
                        "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
                        "draft_token_cost": cost["propose_per_token_s"] / base_cost["forward_s"],
                        "policy": policy,
+                       # per timed run, {length[-first][-admit]: [steps, ms]}
+                       "step_times": engine.step_times.runs[:len(engine.times)] if engine.step_times else None,
                        **{key: v for key, v in run.items() if key != "tokens"}}
                 results.append(row)
                 report(f"batch {b}: {method} K={k}", {
@@ -416,6 +451,9 @@ def main() -> None:
                     "identical to no speculation": row["identical"],
                     **({"policy lengths (share)": " ".join(f"{n}: {v:.2f}" for n, v in row["policy"]["share"].items())}
                        if args.policy != "fixed" and row["policy"] else {}),
+                    **({"where the fastest run's time went (steps, ms)": " ".join(
+                        f"{key} {n} {ms:.0f}" for key, (n, ms) in
+                        row["step_times"][engine.times.index(engine.seconds)].items())} if row["step_times"] else {}),
                     **({"requests off their known continuation (no drafts after)": row["diverged_requests"]}
                        if "diverged_requests" in row else {})})
         base.close()
