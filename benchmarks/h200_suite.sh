@@ -7,7 +7,8 @@
 # flags for the spec stages, e.g. --batch-invariant or --continuous; SPEC_REPEAT: timed runs of each
 # configuration, 2 by default; SPEC_ROUNDS: at least that many rounds of each batch size in the spec
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
-# STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b)
+# STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS: more mtp_cost.py
+# flags, e.g. --skinny-gemv)
 # (stages: tests offline decode decode8b prefill gemv breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
@@ -96,7 +97,8 @@ for s in $stages; do
              --min-prompts 2 --repeat "${SPEC_REPEAT:-2}" ${SPEC_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
-    mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" ;;
+    mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
+             ${MTP_ARGS:-} ;;
     deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers
       stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT"
       stage ds_decode "${T_DS_DECODE:-150}" python3 benchmarks/decode_latency.py --out "$RES/deepseek" \
