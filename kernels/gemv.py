@@ -26,6 +26,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .matmul import linear_rows
+
 MAX_ROWS = 4
 BLOCK_N = 16
 DEFAULT_CONFIG = (256, 4, 3)  # BLOCK_K, num_warps, num_stages
@@ -97,14 +99,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
     ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``split``: slices of ``K``
     (default :func:`choose_split`)."""
-    n, k = weight.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
-    if weight.stride(-1) != 1:
-        raise ValueError("weight needs a unit stride on its last dimension")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, n, k = linear_rows(x, weight)
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")

@@ -42,17 +42,22 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, batch-invariant (module docstring). ``x``: ``[..., K]``;
-    ``weight``: ``[N, K]`` with a unit last stride; the result has ``x``'s dtype."""
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A linear kernel's operands checked: ``x`` ``[..., K]`` as ``[M, K]`` rows with a unit last
+    stride, and ``weight``'s ``(N, K)`` (a unit stride on ``K`` required)."""
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     if weight.stride(-1) != 1:
         raise ValueError("weight needs a unit stride on its last dimension")
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    return (x2 if x2.stride(-1) == 1 else x2.contiguous()), n, k
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, batch-invariant (module docstring). ``x``: ``[..., K]``;
+    ``weight``: ``[N, K]`` with a unit last stride; the result has ``x``'s dtype."""
+    x2, n, k = linear_rows(x, weight)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:

@@ -221,18 +221,16 @@ class EagleProposer(Proposer):
         position ``[len(reqs), H]``."""
         last = torch.empty(len(start), self.head_config.hidden_size, dtype=self.dtype, device=self.device)
         for pieces in self.recorded.pieces(start, end):
-            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
-            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
-            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
-            if self.ragged is not None and self.ragged.fits(len(group), sum(e - s for _, s, e in group)):
-                out = self.ragged.run(group, inputs.token_ids, inputs.block_ids)  # each piece's last row
-                last[index] = out[torch.as_tensor(ends, dtype=torch.int64, device=self.device)]
+            if self.ragged is not None and self.ragged.feed_into(last, pieces, end, reqs, inputs):
                 continue
+            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
             positions = np.concatenate([np.arange(s, e) for _, s, e in group])
             qsl = np.concatenate([[0], np.cumsum([e - s for _, s, e in group])])
             ids = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
             out = self._forward(inputs, [i for i, _, _ in group], ids, hidden, positions, qsl.tolist())
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
+            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
             last[index] = out[torch.as_tensor(qsl[1:][ends] - 1, dtype=torch.int64, device=self.device)]
         return last
 

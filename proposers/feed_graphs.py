@@ -89,6 +89,20 @@ class FeedGraphs:
     def fits(self, num_pieces: int, num_rows: int) -> bool:
         return bool(self.graphs) and num_pieces <= self.max_seqs and num_rows <= self.sizes[-1]
 
+    def feed_into(self, last: torch.Tensor, pieces: Sequence[tuple[int, int, int]], end: np.ndarray,
+                  reqs: np.ndarray, inputs: object) -> bool:
+        """A proposer's catch-up group (``Recorded.pieces``: ``(k, s, e)`` over requests
+        ``reqs[k]`` of ``inputs``, whose runs end at ``end[k]``) fed by a replay, each run's output at
+        its end written to ``last[k]``; False, feeding nothing, when no graph fits the group."""
+        group = [(int(reqs[k]), s, e) for k, s, e in pieces]
+        if not self.fits(len(group), sum(e - s for _, s, e in group)):
+            return False
+        out = self.run(group, inputs.token_ids, inputs.block_ids)  # each piece's last row
+        ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
+        index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
+        last[index] = out[torch.as_tensor(ends, dtype=torch.int64, device=self.device)]
+        return True
+
     def run(self, pieces: Sequence[tuple[int, int, int]], token_ids: Sequence[np.ndarray],
             block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed piece ``(i, s, e)`` positions ``s .. e - 1`` of request ``i`` (its tokens after them,

@@ -237,20 +237,19 @@ class MTPProposer(Proposer):
         forward. Returns layer 0's output at each one's last position ``[len(reqs), H]``."""
         last = torch.empty(len(start), self.hidden_size, dtype=self.dtype, device=self.device)
         for pieces in self.recorded.pieces(start, end):
-            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
-            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
-            index = torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)
-            if self.ragged is not None and self.ragged.fits(len(group), sum(e - s for _, s, e in group)):
-                out = self.ragged.run(group, inputs.token_ids, inputs.block_ids)  # each piece's last row
-                last[index] = out[torch.as_tensor(ends, dtype=torch.int64, device=self.device)]
+            if self.ragged is not None and self.ragged.feed_into(last, pieces, end, reqs, inputs):
                 continue
+            group = [(int(reqs[k]), s, e) for k, s, e in pieces]
             positions = [np.arange(s, e) for _, s, e in group]
             tokens = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             hidden = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
-            reqs = [i for i, _, _ in group]
-            outs = [self._forward(inputs, reqs, positions, tokens, hidden, layer) for layer in range(self.num_layers)]
+            members = [i for i, _, _ in group]  # (not ``reqs``: the next group reads that)
+            outs = [self._forward(inputs, members, positions, tokens, hidden, layer)
+                    for layer in range(self.num_layers)]
+            ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
             rows = np.cumsum([len(p) for p in positions]) - 1
-            last[index] = outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
+            last[torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
+                outs[0][torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs
