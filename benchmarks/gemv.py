@@ -1,12 +1,12 @@
 """The few-rows linear kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at the linear
 layers of a decode step: qwen3-0.6b's and llama3-8b's fused q/k/v, output, fused gate/up, down and
-LM head projections, bf16, 1, 2 and 4 rows.
+LM head projections, bf16, 1 and 4 rows.
 
 Each timing is a CUDA graph of ``--calls`` back-to-back products replayed ``--replays`` times, as a
 decode step's graph runs them, over enough copies of the weight (at least ``--rotate-mb`` MB) that
 no call finds its weights in the 50 MB L2 cache left by the one before. Reported: microseconds a
 call, the weight bytes a call reads over that time, and, for the few-rows kernel, its default tile
-and the fastest of the tiles swept (``BLOCK_K`` x warps x stages).
+and the fastest of the tiles swept (``BLOCK_N`` x ``BLOCK_K`` x warps x stages).
 
     python benchmarks/gemv.py --out out/gemv            # on the H200 (the suite's ``gemv`` stage)
     python benchmarks/gemv.py --smoke                   # a check of the script: one shape, interpreter-sized
@@ -29,7 +29,7 @@ if "--smoke" in sys.argv:  # the kernel on the CPU: Triton's interpreter, chosen
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from common import SHAPES  # noqa: E402
 
-from specloop.kernels.gemv import DEFAULT_CONFIG, skinny_linear  # noqa: E402
+from specloop.kernels.gemv import DEFAULT_TILE, choose_block_n, skinny_linear  # noqa: E402
 
 
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
@@ -65,11 +65,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gemv")
     parser.add_argument("--shapes", default="qwen3-0.6b,llama3-8b")
-    parser.add_argument("--rows", default="1,2,4")
+    parser.add_argument("--rows", default="1,4")
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--rotate-mb", type=int, default=256)
-    parser.add_argument("--sweep", default="128,256,512:2,4,8:2,3,4", help="BLOCK_K list : warps list : stages list")
+    parser.add_argument("--sweep", default="4,16:256,512:2,4:3",
+                        help="BLOCK_N list : BLOCK_K list : warps list : stages list")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
     args = parser.parse_args()
     if args.smoke:
@@ -80,10 +81,11 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("gemv.py times CUDA graphs: run it on a GPU (or --smoke)")
-    ks, warps, stages = ([int(v) for v in part.split(",")] for part in args.sweep.split(":"))
-    sweep = list(itertools.product(ks, warps, stages))
+    block_ns, ks, warps, stages = ([int(v) for v in part.split(",")] for part in args.sweep.split(":"))
+    sweep = list(itertools.product(block_ns, ks, warps, stages))
     os.makedirs(args.out, exist_ok=True)
     dev, dtype = torch.device("cuda"), torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results = []
     print("| shape | layer | N x K | rows | cuBLAS us (GB/s) | kernel, default us (GB/s) | kernel, best us (GB/s) "
           "| best tile | best / cuBLAS |")
@@ -103,14 +105,16 @@ def main() -> None:
                 tiles = {}
                 for config in sweep:
                     try:
-                        tiles[config] = time_call(lambda i, c=config: skinny_linear(x, weights[i], config=c), copies,
-                                                  args.calls, args.replays)
+                        tiles[config] = time_call(
+                            lambda i, c=config: skinny_linear(x, weights[i], tile=c[1:], block_n=c[0]), copies,
+                            args.calls, args.replays)
                     except Exception as e:  # a tile that does not fit (registers, shared memory)
                         tiles[config] = float("inf")
                         print(f"  tile {config}: {type(e).__name__}", file=sys.stderr)
                 best = min(tiles, key=tiles.get)
                 row = dict(shape=shape, layer=name, n=n, k=k, rows=m, bytes=size, rel_err=err, cublas_us=cublas,
-                           default_us=default, default_config=list(DEFAULT_CONFIG), best_us=tiles[best],
+                           default_us=default, default_config=[choose_block_n(n, sms), *DEFAULT_TILE],
+                           best_us=tiles[best],
                            best_config=list(best), tiles={str(c): t for c, t in tiles.items()})
                 results.append(row)
                 gbs = lambda us: size / us / 1e3  # noqa: E731

@@ -3,16 +3,16 @@ decode step of a few requests; a verification of a few drafts at batch 1).
 
 Such a product reads every weight once for a handful of multiply-adds per weight, so it is bound by
 memory bandwidth, and what matters is keeping enough of the weight matrix in flight on every SM.
-Each program owns ``BLOCK_N`` output features (rows of ``w``) and one of ``split`` slices of ``K``,
-streams its weight tile in ``BLOCK_K`` chunks through a software pipeline of ``num_stages``, and
-multiplies it with the few input rows in registers, accumulating in float32 (no tensor cores: at
-one row they would idle 15 of their 16 lanes). When the outputs alone give too few programs to fill
-the chip (``N / BLOCK_N`` well under twice the SM count) ``K`` is split: each slice writes its
-partial sums to a float32 workspace and a second pass adds the slices in order, so the result is
-the same from run to run (no atomics).
+Each program owns ``BLOCK_N`` output features (rows of ``w``: 16, or 8 or 4 for a narrow layer, so
+that the outputs give the chip enough programs) and one of ``split`` slices of ``K``, streams its
+weight tile in ``BLOCK_K`` chunks through a software pipeline of ``num_stages``, and multiplies it
+with the few input rows in registers, accumulating in float32 (no tensor cores: at one row they
+would idle 15 of their 16 lanes). When even 4 features a program leave SMs idle, ``K`` is split:
+each slice writes its partial sums to a float32 workspace and a second pass adds the slices in
+order, so the result is the same from run to run (no atomics).
 
-The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_CONFIG`` unless given;
-``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
+The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` unless given, and so are
+``BLOCK_N`` and the split; ``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
 kernel for its linear layers when asked (``plugin_options={"gpu": {"skinny_gemv": True}}``), for the
 steps of at most ``MAX_ROWS`` rows.
 """
@@ -29,8 +29,7 @@ import triton.language as tl
 from .matmul import linear_rows
 
 MAX_ROWS = 4
-BLOCK_N = 16
-DEFAULT_CONFIG = (256, 4, 3)  # BLOCK_K, num_warps, num_stages
+DEFAULT_TILE = (256, 4, 3)  # BLOCK_K, num_warps, num_stages (BLOCK_N: :func:`choose_block_n`)
 
 
 @triton.jit
@@ -78,12 +77,21 @@ def _sum_splits_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.con
     tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def choose_split(n: int, k: int, block_k: int, num_sms: int) -> int:
-    """Slices of ``K``: enough programs for two a SM when the outputs alone give fewer, each slice at
-    least two ``BLOCK_K`` chunks, at most 8; a power of two."""
-    programs = triton.cdiv(n, BLOCK_N)
+def choose_block_n(n: int, num_sms: int) -> int:
+    """Output features a program: 16 when that still gives two programs a SM, else 8, else 4 (a
+    narrow layer is covered by more, thinner programs before ``K`` is split)."""
+    for block_n in (16, 8):
+        if triton.cdiv(n, block_n) >= 2 * num_sms:
+            return block_n
+    return 4
+
+
+def choose_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> int:
+    """Slices of ``K``: enough programs for one a SM when the outputs alone give fewer, each slice
+    at least two ``BLOCK_K`` chunks, at most 8; a power of two (a second pass adds the slices)."""
+    programs = triton.cdiv(n, block_n)
     split = 1
-    while split < 8 and programs * split < 2 * num_sms and k // (2 * split) >= 2 * block_k:
+    while split < 8 and programs * split < num_sms and k // (2 * split) >= 2 * block_k:
         split *= 2
     return split
 
@@ -94,11 +102,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int] = DEFAULT_CONFIG, split: int | None = None,
+                  tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
                   num_sms: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
-    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``split``: slices of ``K``
-    (default :func:`choose_split`)."""
+    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``tile``: ``(BLOCK_K, warps,
+    stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
+    :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
     m = x2.shape[0]
     if m > MAX_ROWS:
@@ -106,17 +115,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_k, num_warps, num_stages = config
+    block_k, num_warps, num_stages = tile
+    num_sms = num_sms or _num_sms(x.device)
+    block_n = block_n or choose_block_n(n, num_sms)
     if split is None:
-        split = choose_split(n, k, block_k, num_sms or _num_sms(x.device))
+        split = choose_split(n, k, block_n, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
     m_pad = triton.next_power_of_2(m)
     has_bias = bias is not None
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N), split)](
+    _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x2, weight, bias if has_bias else weight, target, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
-        out.stride(0), M_PAD=m_pad, HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        out.stride(0), M_PAD=m_pad, HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         block = 1024

@@ -213,19 +213,20 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
 
 
 def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
-    """The few-rows linear layer against ``F.linear`` in float64: one to four rows, with and without
-    a bias, over a single slice of ``K`` and split into slices (a ragged last one) added in order."""
+    """The few-rows linear layer against ``F.linear`` in float64: one to four rows, 4 to 16 output
+    features a program, with and without a bias, over a single slice of ``K`` and split into slices
+    (a ragged last one) added in order."""
     from specloop.kernels.gemv import MAX_ROWS, few_rows_linear, skinny_linear
 
-    for rows, n, k, split, bias in ((1, 37, 300, None, False), (3, 50, 1100, 4, True), (4, 16, 64, 1, True),
-                                    (2, 70, 2048, None, False)):
+    for rows, n, k, split, bias, block_n in ((1, 37, 300, None, False, None), (3, 50, 1100, 4, True, 8),
+                                             (4, 16, 64, 1, True, 16), (2, 70, 2048, None, False, 4)):
         x = torch.randn(rows, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
         b = torch.randn(n, dtype=dtype, device=device) if bias else None
         want = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
-        out = skinny_linear(x, w, b, config=(64, 4, 2), split=split, num_sms=4)
+        out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
         assert out.dtype == dtype and out.shape == (rows, n)
-        assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, split {split}"
+        assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
     x = torch.randn(2, 3, 64, dtype=dtype, device=device)  # leading dims, as a layer's input has them
     w = torch.randn(24, 64, dtype=dtype, device=device)
     assert few_rows_linear(x, w).shape == (2, 3, 24)
@@ -388,11 +389,13 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, invariant=True)
             for rows in (1, 300):
                 matmul.invariant_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(4096, 1024, dtype=dtype))
-            for rows, config in ((1, gemv.DEFAULT_CONFIG), (4, (512, 8, 4)), (2, (128, 2, 2))):
-                w = torch.randn(1024, 3072, dtype=dtype)  # split (a down projection) and not (an LM head)
-                gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], config=config)
+            for rows, tile in ((1, gemv.DEFAULT_TILE), (4, (512, 8, 4)), (2, (128, 2, 2))):
+                w = torch.randn(1024, 3072, dtype=dtype)  # narrow (a down projection) and wide (an LM head)
+                for block_n, split in ((4, 1), (4, 2), (8, 1), (16, 1)):
+                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=block_n,
+                                       split=split)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
-                                   config=config)
+                                   tile=tile)
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           decode_config=config)
