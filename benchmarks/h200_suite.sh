@@ -7,8 +7,8 @@
 # flags for the spec stages, e.g. --batch-invariant or --continuous; SPEC_REPEAT: timed runs of each
 # configuration, 2 by default; SPEC_ROUNDS: at least that many rounds of each batch size in the spec
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
-# STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS: more mtp_cost.py
-# flags, e.g. --skinny-gemv)
+# STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
+# mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --skinny-gemv)
 # (stages: tests offline decode decode8b prefill gemv breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
@@ -62,9 +62,9 @@ for s in $stages; do
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
              --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ${OFFLINE_ARGS:-} ;;
     decode) stage decode_latency "${T_DECODE:-120}" python3 benchmarks/decode_latency.py --out "$RES" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4,16,64,256 ;;
+             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4,16,64,256 ${DECODE_ARGS:-} ;;
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
-             --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ;;
+             --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ${DECODE_ARGS:-} ;;
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
     gemv)  # the few-rows linear kernel against cuBLAS at decode shapes, then batch-1/4 decode with it and without
       stage gemv "${T_GEMV:-200}" python3 benchmarks/gemv.py --out "$RES/gemv"
@@ -102,7 +102,7 @@ for s in $stages; do
     deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers
       stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT"
       stage ds_decode "${T_DS_DECODE:-150}" python3 benchmarks/decode_latency.py --out "$RES/deepseek" \
-             --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256
+             --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256 ${DECODE_ARGS:-}
       stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \
              --ckpt-root "$CKPT" --shape deepseek-v2-lite --peer-time-limit "${PEER_S:-40}" ;;
     structured) stage structured_outputs "${T_STRUCTURED:-240}" python3 benchmarks/structured_outputs.py --out "$RES" \
