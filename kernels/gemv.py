@@ -11,6 +11,11 @@ would idle 15 of their 16 lanes). When even 4 features a program leave SMs idle,
 each slice writes its partial sums to a float32 workspace and a second pass adds the slices in
 order, so the result is the same from run to run (no atomics).
 
+Two prologues fuse the op before a decoder layer's projections into the same kernel, rounded as the
+unfused ops round: RMSNorm with the residual add (:func:`skinny_norm_linear`: every program
+recomputes its rows' statistics, reading them whole from L2; the first also writes the residual
+sum) and SiLU-and-mul (:func:`skinny_gated_linear`).
+
 The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` unless given, and so are
 ``BLOCK_N`` and the split; ``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
 kernel for its linear layers when asked (``plugin_options={"gpu": {"skinny_gemv": True}}``), for the
@@ -33,25 +38,67 @@ DEFAULT_TILE = (256, 4, 3)  # BLOCK_K, num_warps, num_stages (BLOCK_N: :func:`ch
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
+def _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K,
+                 PRE: tl.constexpr, HAS_RES: tl.constexpr):
+    """Row ``m``'s inputs ``k0 + ks`` to the product, in float32, rounded as the unfused ops round
+    them: ``x``; RMSNorm of ``x (+ r)`` (``rstd`` its row's); or ``silu(gate) * up`` of
+    ``x = [gate | up]`` (``K`` wide each)."""
+    mask = k_ok & (ks * 0 + m < M)
+    v = tl.load(x_ptr + m * stride_xm + k0 + ks, mask=mask, other=0.0)
+    if PRE == 1:
+        if HAS_RES:
+            v = (v.to(tl.float32) + tl.load(r_ptr + m * stride_xm + k0 + ks, mask=mask, other=0.0).to(tl.float32)
+                 ).to(x_ptr.dtype.element_ty)
+        normed = (v.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        v = (normed * tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    elif PRE == 2:
+        gate = v.to(tl.float32)
+        up = tl.load(x_ptr + m * stride_xm + K + k0 + ks, mask=mask, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+        v = (act * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split,
+                 stride_xm, stride_wn, stride_om, eps,
                  M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    # RMSNorm's statistics: every program reads its rows whole (from L2: a few KB each); the first
+    # also writes the residual sum, which the layer carries on.
+    rstds = tl.zeros([M_PAD], tl.float32)
+    if PRE == 1:
+        for m in tl.static_range(M_PAD):
+            ss = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = (k0 + ks) < K
+                mask = k_ok & (ks * 0 + m < M)
+                v = tl.load(x_ptr + m * stride_xm + k0 + ks, mask=mask, other=0.0)
+                if HAS_RES:
+                    v = (v.to(tl.float32) + tl.load(r_ptr + m * stride_xm + k0 + ks, mask=mask, other=0.0
+                                                     ).to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    if (pid_n == 0) & (pid_k == 0):
+                        tl.store(new_r_ptr + m * K + k0 + ks, v, mask=mask)
+                vf = v.to(tl.float32)
+                ss += vf * vf
+            rstds = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps), rstds)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + ks) < k_end
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         for m in tl.static_range(M_PAD):  # one row at a time: the tile stays [BLOCK_N, BLOCK_K]
-            xm = tl.load(x_ptr + m * stride_xm + k0 + ks, mask=k_ok & (ks * 0 + m < M), other=0.0).to(tl.float32)
+            rstd = tl.sum(tl.where(rows == m, rstds, 0.0), 0)
+            xm = _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K, PRE, HAS_RES)
             acc = tl.where(rows[:, None] == m, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
     if SPLIT == 1:
         if HAS_BIAS:
@@ -109,31 +156,80 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
     :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
+    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs: object
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's RMSNorm and the projection after it in one kernel: ``F.linear(rms_norm(x +
+    residual), weight, bias)`` and the new residual ``x + residual`` (``x`` itself without one), both
+    rounded as ``ops.add_rms_norm`` rounds them. ``x`` and ``residual``: ``[rows, K]``, at most
+    ``MAX_ROWS`` rows."""
+    x2, n, k = linear_rows(x, weight)
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {k} features")
+    r2 = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        x2, r2 = x2.contiguous(), residual.reshape(-1, k).contiguous()
+    new_residual = torch.empty_like(x2) if r2 is not None else x2
+    out = _launch(x2, weight, bias, 1, residual=r2, norm=(norm_weight, eps, new_residual), **kwargs)
+    return out.reshape(*x.shape[:-1], n), new_residual.reshape(x.shape)
+
+
+def skinny_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        **kwargs: object) -> torch.Tensor:
+    """A gated MLP's activation and down projection in one kernel: ``F.linear(silu(gate) * up,
+    weight, bias)`` for ``gate_up = [gate | up]`` (``[rows, 2 K]``, at most ``MAX_ROWS`` rows),
+    the product rounded as ``ops.silu_and_mul`` rounds it."""
+    n, k = weight.shape
+    if gate_up.shape[-1] != 2 * k:
+        raise ValueError(f"gate_up has {gate_up.shape[-1]} features, the projection expects 2 x {k}")
+    if weight.stride(-1) != 1:
+        raise ValueError("weight needs a unit stride on its last dimension")
+    x2 = gate_up.reshape(-1, 2 * k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _launch(x2, weight, bias, 2, **kwargs)
+    return out.reshape(*gate_up.shape[:-1], n)
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre: int,
+            tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
+            num_sms: int | None = None, residual: torch.Tensor | None = None,
+            norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor:
+    """The product over ``x2``'s rows with prologue ``pre`` (0: none; 1: RMSNorm, ``norm`` = (its
+    weight, eps, the new residual's buffer); 2: SiLU-and-mul); ``[M, N]``."""
+    n, k = weight.shape
     m = x2.shape[0]
     if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        raise ValueError(f"the few-rows kernel takes at most {MAX_ROWS} rows, got {m}")
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0:
-        return out.reshape(*x.shape[:-1], n)
+        return out
     block_k, num_warps, num_stages = tile
-    num_sms = num_sms or _num_sms(x.device)
+    num_sms = num_sms or _num_sms(x2.device)
     block_n = block_n or choose_block_n(n, num_sms)
     if split is None:
         split = choose_split(n, k, block_n, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
-    m_pad = triton.next_power_of_2(m)
     has_bias = bias is not None
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    norm_weight, eps, new_residual = norm if norm is not None else (weight, 0.0, x2)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x2, weight, bias if has_bias else weight, target, m, n, k, k_per_split, x2.stride(0), weight.stride(0),
-        out.stride(0), M_PAD=m_pad, HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+        x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
+        bias if has_bias else weight, target, m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
+        eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
+        PRE=pre, HAS_RES=residual is not None, num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),
                                                        HAS_BIAS=has_bias, SPLIT=split, BLOCK=block)
-    return out.reshape(*x.shape[:-1], n)
+    return out
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

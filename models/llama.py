@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
 from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .ops import gated_linear, norm_linear
 from .parallel import (SINGLE, CheckpointSource, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                        TensorParallel, VocabParallelEmbedding, head_shard, load_parameter)
 
@@ -47,7 +48,11 @@ class Attention(nn.Module):
         self.__dict__["rotary"] = rotary  # shared with the other layers, owned by the model
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(ctx.ops.attention(self, self.qkv_proj(x), positions, ctx))
+        return self.attend(self.qkv_proj(x), positions, ctx)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """From the fused q/k/v projection on: the attention op, then the output projection."""
+        return self.o_proj(ctx.ops.attention(self, qkv, positions, ctx))
 
 
 class DecoderLayer(nn.Module):
@@ -63,15 +68,11 @@ class DecoderLayer(nn.Module):
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual + x`` is the stream entering the layer (``residual`` None: ``x`` alone);
         returns the block's output and the stream it is to be added to."""
-        ops, norm = ctx.ops, self.input_layernorm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn(h, positions, ctx)
-        norm = self.post_attention_layernorm
-        h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp(h, ops), residual
+        ops, attn, mlp = ctx.ops, self.self_attn, self.mlp
+        qkv, residual = norm_linear(ops, x, residual, self.input_layernorm, attn.qkv_proj)
+        x = attn.attend(qkv, positions, ctx)
+        gate_up, residual = norm_linear(ops, x, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return gated_linear(ops, gate_up, mlp.down_proj), residual
 
 
 # HF checkpoint names of the projections that specloop stores fused: original -> (fused, part).

@@ -259,5 +259,60 @@ class TritonOps:
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
+class FewRowsOps(TritonOps):
+    """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
+    activation and down projection, each in one kernel when a step has at most 4 rows
+    (``kernels.gemv``; the GPU runner's ``skinny_gemv`` option): at batch 1 the step is a few
+    hundred small kernels, and each one less saves its launch gap inside the CUDA graph."""
+
+    name = "triton-few-rows"
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+                    linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if _few_rows(x, linear):
+            from specloop.kernels.gemv import skinny_norm_linear
+
+            return skinny_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+        return _composed_norm_linear(self, x, residual, norm, linear)
+
+    def gated_linear(self, gate_up: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
+        if _few_rows(gate_up, linear):
+            from specloop.kernels.gemv import skinny_gated_linear
+
+            return skinny_gated_linear(gate_up, linear.weight, linear.bias)
+        return linear(self.silu_and_mul(gate_up))
+
+
+def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:
+    """A step the few-rows kernels take: at most 4 rows in half precision, on one rank."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (0 < rows <= 4 and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
+            and getattr(getattr(linear, "tp", None), "size", 1) == 1)
+
+
+def _composed_norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+                          linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return linear(ops.rms_norm(x, norm.weight, norm.eps)), x
+    h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return linear(h), residual
+
+
+def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+                linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(norm(residual + x))`` and the new residual (``x`` itself when ``residual`` is None),
+    through ``ops.norm_linear`` when the set fuses them, else its norm then ``linear``."""
+    fused = getattr(ops, "norm_linear", None)
+    return fused(x, residual, norm, linear) if fused is not None else _composed_norm_linear(ops, x, residual, norm,
+                                                                                           linear)
+
+
+def gated_linear(ops: Ops, gate_up: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
+    """``linear(silu(gate) * up)``, through ``ops.gated_linear`` when the set fuses them."""
+    fused = getattr(ops, "gated_linear", None)
+    return fused(gate_up, linear) if fused is not None else linear(ops.silu_and_mul(gate_up))
+
+
 TORCH_OPS = TorchOps()
 TRITON_OPS = TritonOps()
+FEW_ROWS_OPS = FewRowsOps()

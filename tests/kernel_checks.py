@@ -216,7 +216,8 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
     """The few-rows linear layer against ``F.linear`` in float64: one to four rows, 4 to 16 output
     features a program, with and without a bias, over a single slice of ``K`` and split into slices
     (a ragged last one) added in order."""
-    from specloop.kernels.gemv import MAX_ROWS, few_rows_linear, skinny_linear
+    from specloop.kernels.gemv import (MAX_ROWS, few_rows_linear, skinny_gated_linear, skinny_linear,
+                                       skinny_norm_linear)
 
     for rows, n, k, split, bias, block_n in ((1, 37, 300, None, False, None), (3, 50, 1100, 4, True, 8),
                                              (4, 16, 64, 1, True, 16), (2, 70, 2048, None, False, 4)):
@@ -227,6 +228,38 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
+    # Fused prologues: a decoder layer's RMSNorm (with and without the residual add), and a gated
+    # MLP's SiLU-and-mul, rounded as the unfused ops round them.
+    for rows, k, split, with_residual in ((1, 300, None, True), (3, 700, 2, True), (2, 96, 1, False)):
+        x, r = (torch.randn(rows, k, dtype=dtype, device=device) for _ in range(2))
+        nw = torch.rand(k, dtype=dtype, device=device) + 0.5
+        w = torch.randn(40, k, dtype=dtype, device=device) / k ** 0.5
+        summed = (x.float() + r.float()).to(dtype) if with_residual else x
+        sf = summed.float()
+        h = ((sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float() * nw.float()).to(dtype)
+        out, new_residual = skinny_norm_linear(x, r if with_residual else None, nw, 1e-6, w, tile=(64, 4, 2),
+                                               split=split, num_sms=4)
+        assert torch.equal(new_residual, summed), "the fused norm's residual sum differs"
+        assert rel_err(out, torch.nn.functional.linear(h.double(), w.double())) < TOL[dtype], "fused norm differs"
+        gate_up = torch.randn(rows, 2 * k, dtype=dtype, device=device)
+        act = (torch.nn.functional.silu(gate_up[:, :k].float()).to(dtype).float() * gate_up[:, k:].float()).to(dtype)
+        out = skinny_gated_linear(gate_up, w, tile=(64, 4, 2), split=split, num_sms=4)
+        assert rel_err(out, torch.nn.functional.linear(act.double(), w.double())) < TOL[dtype], "fused SiLU differs"
+    # The few-rows op set runs them for a layer's norm + projection and activation + projection.
+    from specloop.models.layers import RMSNorm
+    from specloop.models.ops import FEW_ROWS_OPS, TRITON_OPS, gated_linear, norm_linear
+    from specloop.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard
+
+    norm = RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    up = ColumnParallelLinear(64, [Shard(96, 0, 96)], bias=False).to(device=device, dtype=dtype)
+    down = RowParallelLinear(48, 64, bias=True).to(device=device, dtype=dtype)
+    x, r = torch.randn(2, 64, dtype=dtype, device=device), torch.randn(2, 64, dtype=dtype, device=device)
+    with torch.no_grad():
+        fused, fused_r = norm_linear(FEW_ROWS_OPS, x, r.clone(), norm, up)
+        plain, plain_r = norm_linear(TRITON_OPS, x, r.clone(), norm, up)
+        assert torch.equal(fused_r, plain_r) and rel_err(fused, plain) < TOL[dtype], "few-rows norm_linear differs"
+        assert rel_err(gated_linear(FEW_ROWS_OPS, fused, down), gated_linear(TRITON_OPS, fused, down)) < TOL[dtype]
     x = torch.randn(2, 3, 64, dtype=dtype, device=device)  # leading dims, as a layer's input has them
     w = torch.randn(24, 64, dtype=dtype, device=device)
     assert few_rows_linear(x, w).shape == (2, 3, 24)
@@ -396,6 +429,10 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                        split=split)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
                                    tile=tile)
+                h = torch.randn(rows, 1024, dtype=dtype)
+                gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype), tile=tile)
+                gemv.skinny_norm_linear(h, None, h[0], 1e-6, torch.randn(6144, 1024, dtype=dtype), tile=tile)
+                gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile)
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           decode_config=config)

@@ -12,7 +12,8 @@ unless ``enforce_eager``; CUDA only, and only with the fused ops), ``device_prop
 a proposer that can launches its greedy proposal from the device after a verification, its drafts
 left in the device token rows; off, it proposes once the host has read the step) and
 ``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default off: the
-target's linear layers run ``kernels.gemv`` for steps of at most 4 rows, cuBLAS for the rest; not
+target's linear layers run ``kernels.gemv`` for steps of at most 4 rows, cuBLAS for the rest, and
+the op set fuses a decoder layer's norms and activation into them, ``models.ops.FewRowsOps``; not
 with ``batch_invariant``). Any other key is refused.
 """
 
@@ -24,7 +25,7 @@ import logging
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernels.gemv import few_rows_linear
-from specloop.models.ops import TORCH_OPS, TRITON_OPS, Ops
+from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 from ..distributed import TensorParallelRunner, launch_model_runner
@@ -60,7 +61,9 @@ class GpuPlatform:
                              "layers' kernel; use one")
 
     def ops(self, config: EngineConfig) -> Ops:
-        return TRITON_OPS if self.fused else TORCH_OPS
+        if not self.fused:
+            return TORCH_OPS
+        return FEW_ROWS_OPS if self.skinny_gemv else TRITON_OPS
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
         c = runner.config
