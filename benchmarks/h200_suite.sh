@@ -69,9 +69,9 @@ for s in $stages; do
     gemv)  # the few-rows linear kernel against cuBLAS at decode shapes, then batch-1/4 decode with it and without
       stage gemv "${T_GEMV:-200}" python3 benchmarks/gemv.py --out "$RES/gemv"
       stage decode_skinny "${T_DECODE_SKINNY:-240}" python3 benchmarks/decode_latency.py --out "$RES/skinny" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b,llama3-8b --batch-sizes 1,4 --skinny-gemv
+             --ckpt-root "$CKPT" --shapes "${GEMV_SHAPES:-qwen3-0.6b,llama3-8b}" --batch-sizes 1,4 --skinny-gemv
       stage decode_cublas "${T_DECODE_SKINNY:-240}" python3 benchmarks/decode_latency.py --out "$RES/cublas" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b,llama3-8b --batch-sizes 1,4 ;;
+             --ckpt-root "$CKPT" --shapes "${GEMV_SHAPES:-qwen3-0.6b,llama3-8b}" --batch-sizes 1,4 ;;
     tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
         stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;
