@@ -40,7 +40,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
     t0 = time.perf_counter()
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
               max_num_seqs=max(sizes), gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner,
-              plugin_options={"gpu": {"skinny_gemv": True}} if args.skinny_gemv else {})
+              plugin_options={"gpu": {"skinny_gemv": args.skinny_gemv}} if args.skinny_gemv is not None else {})
     init_s = time.perf_counter() - t0
     freeze_heap()  # no full collection over the KV blocks inside a timed run
     rng = np.random.default_rng(0)
@@ -93,8 +93,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs at batch 1 (median)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--runner", default=None)
-    parser.add_argument("--skinny-gemv", action="store_true",
-                        help="the GPU runner's skinny_gemv option: kernels/gemv.py for steps of at most 4 rows")
+    parser.add_argument("--skinny-gemv", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -63,8 +63,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--smoke", action="store_true", help="the tiny DeepSeek shape, a few tokens (CPU check)")
-    parser.add_argument("--skinny-gemv", action="store_true",
-                        help="the GPU runner's skinny_gemv option (kernels/gemv.py for steps of at most 4 rows) in both engines")
+    parser.add_argument("--skinny-gemv", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.output_len = "deepseek-tiny", 24
@@ -81,7 +81,7 @@ def main() -> None:
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).tolist()
     engine = dict(skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
                   max_num_seqs=4, gpu_memory_utilization=args.gpu_memory_utilization,
-                  plugin_options={"gpu": {"skinny_gemv": True}} if args.skinny_gemv else {})
+                  plugin_options={"gpu": {"skinny_gemv": args.skinny_gemv}} if args.skinny_gemv is not None else {})
 
     plain = LLM(path, **engine)
     runner = plain.core.runner

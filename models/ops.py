@@ -261,8 +261,8 @@ class TritonOps:
 
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
-    activation and down projection, each in one kernel when a step has at most 4 rows
-    (``kernels.gemv``; the GPU runner's ``skinny_gemv`` option): at batch 1 the step is a few
+    activation and down projection, each in one kernel in a step of one row (``kernels.gemv``'s
+    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option): at batch 1 the step is a few
     hundred small kernels, and each one less saves its launch gap inside the CUDA graph."""
 
     name = "triton-few-rows"
@@ -284,9 +284,11 @@ class FewRowsOps(TritonOps):
 
 
 def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:
-    """A step the few-rows kernels take: at most 4 rows in half precision, on one rank."""
+    """A step the few-rows kernels take: ``ROUTED_ROWS`` rows in half precision, on one rank."""
+    from specloop.kernels.gemv import ROUTED_ROWS
+
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= 4 and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
+    return (0 < rows <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
             and getattr(getattr(linear, "tp", None), "size", 1) == 1)
 
 

@@ -252,14 +252,17 @@ def test_gpu_runner_options_are_checked() -> None:
     assert GpuPlatform(EngineConfig()).device_proposals is True
     with pytest.raises(ValueError, match="unknown option.*'cuda_graph'.*known: fused, cuda_graphs"):
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"cuda_graph": False}}))
-    # skinny_gemv switches every linear layer of the target to the few-rows kernel (off by default).
+    # skinny_gemv switches every linear layer of the target to the few-rows kernel (on by default on
+    # CUDA only, and never by default with batch_invariant).
     from torch import nn
 
     from specloop.backends.gpu.platform import use_few_rows_linear
     from specloop.kernels.gemv import few_rows_linear
     from specloop.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard
 
-    assert GpuPlatform(EngineConfig()).skinny_gemv is False
+    assert GpuPlatform(EngineConfig(device="cpu")).skinny_gemv is False
+    assert GpuPlatform(EngineConfig(device="cuda")).skinny_gemv is True
+    assert GpuPlatform(EngineConfig(device="cuda", batch_invariant=True)).skinny_gemv is False
     assert GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}})).skinny_gemv is True
     model = nn.Sequential(ColumnParallelLinear(8, [Shard(16, 0, 16)], bias=False), RowParallelLinear(16, 8, bias=False))
     assert use_few_rows_linear(model) == 2 and all(m.matmul is few_rows_linear for m in model)

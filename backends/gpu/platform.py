@@ -11,16 +11,18 @@ Options (``config.plugin_options["gpu"]``): ``fused`` (default on), ``cuda_graph
 unless ``enforce_eager``; CUDA only, and only with the fused ops), ``device_proposals`` (default on:
 a proposer that can launches its greedy proposal from the device after a verification, its drafts
 left in the device token rows; off, it proposes once the host has read the step) and
-``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default off: the
-target's linear layers run ``kernels.gemv`` for steps of at most 4 rows, cuBLAS for the rest, and
-the op set fuses a decoder layer's norms and activation into them, ``models.ops.FewRowsOps``; not
-with ``batch_invariant``). Any other key is refused.
+``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default on on
+CUDA, off with ``batch_invariant``, which it cannot be combined with: the target's linear layers run
+``kernels.gemv`` in one-row steps, cuBLAS in the rest, and the op set fuses a decoder layer's norms
+and activation into them, ``models.ops.FewRowsOps``). Any other key is refused.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+
+import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
@@ -55,7 +57,10 @@ class GpuPlatform:
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
         self.device_proposals = bool(opts.get("device_proposals", True))
-        self.skinny_gemv = bool(opts.get("skinny_gemv", False))
+        # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
+        on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
+        default_skinny = on_cuda and not config.batch_invariant
+        self.skinny_gemv = bool(opts.get("skinny_gemv", default_skinny))
         if self.skinny_gemv and config.batch_invariant:
             raise ValueError("plugin_options['gpu']['skinny_gemv'] and batch_invariant=True both choose the linear "
                              "layers' kernel; use one")
@@ -102,7 +107,7 @@ class GpuPlatform:
 
 def use_few_rows_linear(model: object) -> int:
     """The ``skinny_gemv`` option: every linear layer of ``model`` runs ``kernels.gemv``'s
-    ``few_rows_linear`` (its kernel for at most 4 rows, ``F.linear`` for more); the layers switched."""
+    ``few_rows_linear`` (its kernel for one-row steps, ``F.linear`` for more); the layers switched."""
     switched = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
