@@ -28,11 +28,13 @@ Recorder = Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], None]
 @dataclass(frozen=True, slots=True)
 class GraphKey:
     """A captured graph: ``q`` tokens per request, ``size`` request rows (live + padding), and the
-    flash-decoding split count fixed at capture."""
+    flash-decoding split count fixed at capture. A ragged graph (any mix of prompt chunks, decodes
+    and verifications) has ``q = 0`` and holds ``tokens`` token rows."""
 
     q: int
     size: int
     num_splits: int
+    tokens: int = 0
 
 
 @dataclass(slots=True)

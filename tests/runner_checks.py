@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from hf_models import prompts, tiny
+from eager_graphs import eager_captures, eager_target_graphs
 from plans import Plans
 
 from specloop.kernel.config import EngineConfig
@@ -86,12 +87,17 @@ def assert_same_or_near_tie(path: str, device: str, dtype: str, got: list[int], 
                           f"{got[k]} by {gap:.4f} > {bound:.4f}")
 
 
-def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3") -> Any:
-    """Returns the gpu runner, so callers can inspect it (e.g. graph replays)."""
+def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3", ragged_stand_ins: bool = False) -> Any:
+    """Returns the gpu runner, so callers can inspect it (e.g. graph replays). With
+    ``ragged_stand_ins`` (CPU) every step replays an eager stand-in of its ragged target graph."""
     model = tiny(variant)
     want = drive(make_runner(model.path, "torch", device, dtype))
     runner = make_runner(model.path, "gpu", device, dtype)
+    if ragged_stand_ins:
+        eager_target_graphs(runner)
     got = drive(runner)
+    if ragged_stand_ins:  # every step of drive() fits a ragged graph of 128 or 256 tokens
+        assert runner.parts.executor.num_ragged_replays >= 10, runner.parts.executor.num_ragged_replays
     for rid in want:
         if rid == "b" and dtype == "bfloat16":
             continue  # sampled: after a rounding difference the draws legitimately part
@@ -181,47 +187,6 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
-class _EagerReplay:
-    """Stands in for a captured graph: ``replay()`` runs ``forward(graphs, size)`` eagerly on the
-    graphs' static buffers and keeps its outputs where a replay leaves them. Graphs of one proposer
-    share a memory pool, where a graph's replay may overwrite the outputs of any graph captured
-    after it (their memory was its scratch space at capture): the replay poisons those first."""
-
-    def __init__(self, graphs: Any, size: int, forward: Any, captured: list) -> None:
-        self.graphs, self.size, self.forward, self.captured = graphs, size, forward, captured
-
-    def replay(self) -> None:
-        for later in self.captured[self.captured.index(self.graphs) + 1:]:
-            for outs in later.outputs.values():
-                for out in outs if isinstance(outs, tuple) else (outs,):
-                    out.fill_(-(2 ** 40) if not out.is_floating_point() else float("nan"))
-        with torch.inference_mode():
-            self.graphs.outputs[self.size] = self.forward(self.graphs, self.size)
-
-
-def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
-    return tuple(o.clone() for o in g.forward(size))
-
-
-def _eager_captures(monkeypatch: Any) -> list:
-    """Make proposers capture eager stand-ins (in their own capture order) wherever they would
-    capture CUDA graphs; returns the graph sets in capture order."""
-    from specloop.proposers import chain_graphs, draft_model, eagle, feed_graphs, mtp, step_graphs
-
-    captured: list = []
-
-    def capture(graphs: Any, forward: Any) -> None:
-        captured.append(graphs)
-        graphs.graphs = {size: _EagerReplay(graphs, size, forward, captured) for size in graphs.sizes}
-
-    monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda g: capture(g, _step_forward))
-    monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
-    monkeypatch.setattr(feed_graphs.FeedGraphs, "capture", lambda g: capture(g, _step_forward))
-    for module in (draft_model, eagle, mtp):
-        monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
-    return captured
-
-
 MODES = ("none", "eager", "graphs")
 
 
@@ -266,7 +231,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     outs, drafts, replays, preempted = {}, {}, {}, 0
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            captured = _eager_captures(monkeypatch) if mode == "graphs" else []
+            captured = eager_captures(monkeypatch) if mode == "graphs" else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
                       max_model_len=64, **engine, speculative_config=None if mode == "none" else spec)
         try:
@@ -339,7 +304,7 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
         plain.core.shutdown()
     truth = {tuple(b["prompt_token_ids"]): list(w) for b, w in zip(batch, want)}
     with pytest.MonkeyPatch.context() as monkeypatch:
-        _eager_captures(monkeypatch)
+        eager_captures(monkeypatch)
         llm = LLM(str(root / "specloop-tiny"), **engine, plugin_options={"controlled": {"continuations": truth}},
                   speculative_config={"method": "controlled", "num_speculative_tokens": 3,
                                       "model": str(root / "specloop-tiny-eagle3"),
@@ -385,6 +350,7 @@ def _main() -> None:
         return
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
+    check_runner_matches_torch("cpu", "float32", "qwen3", ragged_stand_ins=True)
     check_async_scheduling_matches_sync("cpu", "float32")
     check_spec_async_matches_sync("cpu", "float32")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)

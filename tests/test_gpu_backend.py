@@ -76,6 +76,10 @@ def test_gpu_runner_matches_torch_runner(variant: str, dtype: str) -> None:
         pytest.skip("MoE routing parts at near-equal scores in bf16")
     runner = rc.check_runner_matches_torch("cuda", dtype, variant)
     assert getattr(runner.parts.executor, "num_replays", 0) > 0, "decode steps did not use CUDA graphs"
+    # Mixed steps (chunked prefill beside decodes, a prefix hit, a resumed request) replay the
+    # ragged graphs on dense-attention models.
+    ragged = runner.parts.executor.num_ragged_replays
+    assert (ragged > 0) is not variant.startswith("deepseek"), ragged
 
 
 def test_async_scheduling_matches_synchronous_torch_runner() -> None:

@@ -1,4 +1,4 @@
-"""CUDA graphs of the forward for uniform batches ("full graphs").
+"""CUDA graphs of the forward: uniform batches, and ragged steps of up to 2,048 tokens.
 
 A batch is *uniform* when every request computes the same number ``q`` of tokens: ``q = 1`` for
 plain decode, ``q = k + 1`` for verifying k drafts (every k up to K: a proposer may find fewer, a
@@ -8,10 +8,18 @@ start-up, largest first, sharing one memory pool; it reads the persistent batch'
 (fixed addresses) and writes the final hidden states (and the residual streams of the layers a
 proposer taps), plus the logits of every row when ``q = 1``. A live batch of ``B`` requests replays
 the smallest graph of at least ``B`` requests; the rows past ``B`` are padding that owns no tokens
-and writes no KV. Anything else runs eagerly.
+and writes no KV.
+
+A *ragged* step mixes prompt chunks with decodes (a request admitted into a running batch, a
+prompt split by chunked prefill, a proposer's first step after it). The attention kernel sizes its
+grid from the token and sequence counts alone (``kernels.paged_attention``), so one graph per
+padded token count (``RAGGED_TOKENS``: every 128 up to 1,024, then 1,536 and 2,048), over every
+request row, replays any such step: the token rows past the step's own compute values nobody reads
+and write no KV. They are captured for dense-attention models outside batch-invariant mode; larger
+steps, whose launches the device time covers anyway, run eagerly, as does everything else.
 
 Replay removes the per-kernel launch cost (~300 launches for a 28-layer model), which dominates
-small decode batches; it does not reduce FLOPs or bytes moved.
+small steps; it does not reduce FLOPs or bytes moved.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ from .triton_attention import GpuAttentionMetadata
 
 logger = logging.getLogger("specloop")
 
+RAGGED_TOKENS = (128, 256, 384, 512, 640, 768, 896, 1024, 1536, 2048)
+# The attention tile a ragged graph fixes at capture: the tallest (as for any prompt of 128+ tokens).
+RAGGED_QUERY_LEN = 128
+
 
 class GraphExecutor:
     """The eager executor plus captured graphs, keyed by (q, padded request count)."""
@@ -39,21 +51,27 @@ class GraphExecutor:
     replays_uniform_batches = True
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
-                 vocab_size: int, choose_splits: Callable[[int, int], int]) -> None:
+                 vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True) -> None:
         self.eager = eager
         self.batch = batch
         self.q_lens = q_lens
         self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
         self.sizes = graph_sizes(batch.max_reqs)
-        self.max_tokens = min(batch.max_tokens, max(self.sizes) * max(q_lens))
+        # Ragged token counts: no more than the step holds, nor than the request rows' contexts
+        # (the capture spreads its tokens over them).
+        self.ragged = [t for t in RAGGED_TOKENS if t <= min(batch.max_tokens, batch.max_reqs * batch.max_len)] \
+            if ragged else []
+        self.max_tokens = max(min(batch.max_tokens, max(self.sizes) * max(q_lens)), *self.ragged)
         dtype = next(eager.model.parameters()).dtype
         self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
         self.aux = [torch.zeros_like(self.hidden) for _ in eager.aux_layers]
         self.logits = torch.zeros(max(self.sizes), vocab_size, dtype=torch.float32, device=batch.device) \
             if 1 in q_lens else None
+        # (q, padded requests) of the uniform graphs; (0, padded tokens) of the ragged ones
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits: dict[tuple[int, int], int] = {}
         self.num_replays = 0
+        self.num_ragged_replays = 0
 
     # The eager executor's interface, shared.
     @property
@@ -72,41 +90,52 @@ class GraphExecutor:
         self.eager.release()
 
     def capture(self) -> None:
+        """Every graph, largest first (the ragged ones, then the uniform), in one memory pool."""
         pool = None
         device = self.batch.device
+        size = max(self.sizes)
+        bodies = [((0, t), lambda t=t: self._body(0, size, t)) for t in sorted(self.ragged, reverse=True)]
         for q in self.q_lens:
-            for size in sorted(self.sizes, reverse=True):
-                if size * q > self.max_tokens:
-                    continue
-                graph = torch.cuda.CUDAGraph()
-                run = self._body(q, size)
-                with torch.inference_mode():
-                    run()  # warm-up outside the graph: compiles kernels, sets up cuBLAS
-                    torch.cuda.synchronize(device)
-                    with torch.cuda.graph(graph, pool=pool):
-                        run()
-                pool = graph.pool()
-                self.graphs[(q, size)] = graph
+            bodies += [((q, s), lambda q=q, s=s: self._body(q, s)) for s in sorted(self.sizes, reverse=True)
+                       if s * q <= self.max_tokens]
+        for key, body in bodies:
+            graph = torch.cuda.CUDAGraph()
+            run = body()
+            with torch.inference_mode():
+                run()  # warm-up outside the graph: compiles kernels, sets up cuBLAS
+                torch.cuda.synchronize(device)
+                with torch.cuda.graph(graph, pool=pool):
+                    run()
+            pool = graph.pool()
+            self.graphs[key] = graph
         torch.cuda.synchronize(device)
-        logger.info("captured %d CUDA graphs (q in %s, up to %d requests)", len(self.graphs), self.q_lens,
-                    max(self.sizes))
+        logger.info("captured %d CUDA graphs (q in %s, up to %d requests; ragged up to %d tokens)", len(self.graphs),
+                    self.q_lens, max(self.sizes), max(self.ragged, default=0))
 
-    def _body(self, q: int, size: int) -> Callable[[], None]:
+    def _body(self, q: int, size: int, ragged_tokens: int = 0) -> Callable[[], None]:
+        """The forward of ``size`` request rows of ``q`` tokens, or with ``q = 0`` of
+        ``ragged_tokens`` tokens spread over them."""
         pb, eager = self.batch, self.eager
-        tokens = size * q
-        # Placeholder step: every request owns q tokens of block 0 and writes no KV. Replays read
-        # the live values the persistent batch writes to the same addresses.
-        pb.query_start_loc[:size + 1].copy_(torch.arange(size + 1, device=pb.device, dtype=torch.int32) * q)
-        pb.seq_lens[:size].fill_(q)
+        if q:
+            tokens, per, query_len = size * q, q, q
+        else:
+            tokens, per, query_len = ragged_tokens, -(-ragged_tokens // size), RAGGED_QUERY_LEN
+        # Placeholder step: request i owns tokens [i * per, (i + 1) * per) of block 0 (all of them
+        # a context its block-table row can hold) and writes no KV. Replays read the live values
+        # the persistent batch writes to the same addresses.
+        starts = [min(i * per, tokens) for i in range(size + 1)]
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        pb.query_start_loc[:size + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        pb.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
         pb.block_tables[:size].zero_()
         pb.slot_mapping[:tokens].fill_(-1)
-        splits = self.choose_splits(size, pb.max_len)
-        self.splits[(q, size)] = splits
+        splits = self.choose_splits(size, pb.max_len) if q else 1
+        self.splits[(q, size if q else ragged_tokens)] = splits
         meta = GpuAttentionMetadata(
             query_start_loc=pb.query_start_loc[:size + 1], seq_lens=pb.seq_lens[:size],
             slot_mapping=pb.slot_mapping[:tokens], block_tables=pb.block_tables[:size],
-            max_query_len=q, max_seq_len=pb.max_len,
-            query_start_loc_cpu=[i * q for i in range(size + 1)], seq_lens_cpu=[q] * size, num_splits=splits)
+            max_query_len=query_len, max_seq_len=pb.max_len,
+            query_start_loc_cpu=starts, seq_lens_cpu=lens, num_splits=splits)
         ctx = eager.context(meta)
         model = eager.model
 
@@ -122,25 +151,28 @@ class GraphExecutor:
         return run
 
     def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
-        """The graph for this plan, or None when it is not uniform or too large."""
+        """The graph for this plan: the uniform one of its q and size, else the ragged one of its
+        token count; None when it has none (too large)."""
         counts = plan.num_scheduled_tokens
         if not counts:
             return None
         q = next(iter(counts.values()))
-        if q not in self.q_lens or plan.total_num_scheduled_tokens != q * len(counts):
+        total = plan.total_num_scheduled_tokens
+        if q in self.q_lens and total == q * len(counts) and all(n == q for n in counts.values()):
+            i = bisect.bisect_left(self.sizes, len(counts))
+            if i < len(self.sizes) and (q, self.sizes[i]) in self.graphs:
+                return GraphKey(q, self.sizes[i], self.splits[(q, self.sizes[i])])
+        i = bisect.bisect_left(self.ragged, total)
+        if i == len(self.ragged) or len(counts) > max(self.sizes) or (0, self.ragged[i]) not in self.graphs:
             return None
-        if any(n != q for n in counts.values()):
-            return None
-        i = bisect.bisect_left(self.sizes, len(counts))
-        if i == len(self.sizes) or (q, self.sizes[i]) not in self.graphs:
-            return None
-        return GraphKey(q, self.sizes[i], self.splits[(q, self.sizes[i])])
+        return GraphKey(0, max(self.sizes), 1, self.ragged[i])
 
     def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
         if key is None:
             return self.eager.run(batch)
-        self.graphs[(key.q, key.size)].replay()
+        self.graphs[(key.q, key.size if key.q else key.tokens)].replay()
         self.num_replays += 1
+        self.num_ragged_replays += not key.q
         n = batch.num_tokens
         logits = self.logits[:n] if key.q == 1 and self.logits is not None else None
         return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits)

@@ -85,8 +85,11 @@ class GpuPlatform:
         if (self.cuda_graphs and self.fused and runner.device.type == "cuda"
                 and isinstance(runner.attn_backend, TritonAttentionBackend)):
             mc, backend = runner.model_config, runner.attn_backend
+            # Ragged steps replay graphs too, but for the latent (MLA) and MoE kernels, whose grids
+            # follow the step's shape, and in batch-invariant mode.
+            ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
-                                     functools.partial(backend.decode_splits, mc))
+                                     functools.partial(backend.decode_splits, mc), ragged=ragged)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            write_drafts=batch.write_drafts if self.device_proposals else None)
