@@ -4,6 +4,7 @@ decodes, preemption/resumption and draft verification, alone and mixed in one ba
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -268,3 +269,36 @@ def test_gpu_runner_options_are_checked() -> None:
     assert use_few_rows_linear(model) == 2 and all(m.matmul is few_rows_linear for m in model)
     with pytest.raises(ValueError, match="skinny_gemv.*batch_invariant"):
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}}, batch_invariant=True))
+
+
+def test_target_graphs_are_chosen_by_shape() -> None:
+    # The GPU runner's graph executor (no capture here: the keys it would replay): a uniform batch
+    # takes the graph of its q and the smallest padded size that holds it; any other step the
+    # ragged graph of the smallest padded token count that holds it; larger steps, and every
+    # non-uniform step when ragged graphs are off (latent attention, MoE, batch-invariant mode),
+    # none.
+    from specloop.backends.executor import GraphKey
+    from specloop.backends.gpu.graphs import GraphExecutor
+    from specloop.backends.gpu.persistent_batch import PersistentBatch
+    from specloop.kernel.outputs import SchedulerOutput
+
+    batch = PersistentBatch(max_reqs=8, max_len=96, block_size=4, max_tokens=512, device=torch.device("cpu"))
+
+    def plan(counts: list[int]) -> SchedulerOutput:
+        tokens = {f"r{i}": n for i, n in enumerate(counts)}
+        return SchedulerOutput(0, [], [], [], tokens, sum(counts))
+
+    for ragged in (True, False):
+        eager = SimpleNamespace(model=torch.nn.Linear(2, 2), aux_layers=())
+        graphs = GraphExecutor(eager, batch, [1, 2, 3], 16, 32, lambda *_: 1, ragged=ragged)  # type: ignore[arg-type]
+        assert graphs.ragged == ([128, 256, 384, 512] if ragged else [])
+        graphs.graphs = {**{(q, s): None for q in (1, 2, 3) for s in graphs.sizes},
+                         **{(0, t): None for t in graphs.ragged}}
+        graphs.splits = dict.fromkeys(graphs.graphs, 1)
+        assert graphs.graph_for(plan([1] * 3)) == GraphKey(1, 4, 1)
+        assert graphs.graph_for(plan([3] * 8)) == GraphKey(3, 8, 1)
+        mixed = graphs.graph_for(plan([1, 1, 200]))
+        assert mixed == (GraphKey(0, 8, 1, 256) if ragged else None)
+        assert graphs.graph_for(plan([5, 5])) == (GraphKey(0, 8, 1, 128) if ragged else None)
+        assert graphs.graph_for(plan([1, 600])) is None
+        assert graphs.max_tokens == (512 if ragged else 24)

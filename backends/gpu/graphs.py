@@ -61,7 +61,7 @@ class GraphExecutor:
         # (the capture spreads its tokens over them).
         self.ragged = [t for t in RAGGED_TOKENS if t <= min(batch.max_tokens, batch.max_reqs * batch.max_len)] \
             if ragged else []
-        self.max_tokens = max(min(batch.max_tokens, max(self.sizes) * max(q_lens)), *self.ragged)
+        self.max_tokens = max([min(batch.max_tokens, max(self.sizes) * max(q_lens)), *self.ragged])
         dtype = next(eager.model.parameters()).dtype
         self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
         self.aux = [torch.zeros_like(self.hidden) for _ in eager.aux_layers]
