@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests offline decode decode8b prefill gemv breakdown serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests offline decode decode8b prefill gemv breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -95,6 +95,9 @@ for s in $stages; do
              --alpha 0.8 --ks "${SPEC_KS:-3}" --batch-sizes 1 --methods "${SPEC_METHODS:-ngram,eagle3,draft_model}" \
              --prompt-len 128 --output-len 128 \
              --min-prompts 2 --repeat "${SPEC_REPEAT:-2}" ${SPEC_ARGS:-} ;;
+    phases)  # host time per engine phase, with and without drafts (default models, one batch size)
+      stage step_phases "${T_PHASES:-150}" python3 benchmarks/step_phases.py --out "$RES/phases" --device cuda \
+             --batch "${PHASES_BATCH:-32}" --methods "${SPEC_METHODS:-ngram,eagle3}" ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
     mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \

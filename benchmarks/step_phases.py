@@ -1,0 +1,128 @@
+"""Where an engine step's host time goes, with and without drafts, on the default models.
+
+For each engine (no drafts; then per method: the proposer attached but held at speculation length
+0, fixed K, the adaptive policy) one timed run of ``spec_decode.py``'s workload (held-out prompts,
+every prompt submitted at once with at most ``--batch`` running) with the engine's host phases
+timed by wrapping its methods: the scheduler's ``schedule`` and ``update_from_output``, the
+runner's ``execute_model`` (state update, input preparation, the forward's launch) and
+``sample_tokens`` (the sampler, the proposal), the commit. Reported per engine: wall ms a step and
+each phase's ms a step, averaged over the run (a phase that waits for the device counts its wait),
+and the run's step times by speculation length (``spec_decode.StepTimes``). With ``--profile``,
+a cProfile of one more run of each engine goes to ``--out``.
+
+    python benchmarks/step_phases.py --batch 32 --methods ngram,eagle3 --out out/phases
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spec_decode  # noqa: E402
+from common import base_args, report  # noqa: E402
+
+PHASES = {  # label: (object path from the engine core, method)
+    "schedule": ("scheduler", "schedule"), "commit": ("", "_commit_oldest"),
+    "update_from_output": ("scheduler", "update_from_output"), "step": ("", "step"),
+    "update_states": ("runner", "update_states"), "prepare_inputs": ("runner", "prepare_inputs"),
+    "forward": ("runner", "forward"), "sample": ("runner.parts.sampler", "sample"),
+    "sample_tokens": ("runner", "sample_tokens"), "propose": ("runner.drafter", "propose"),
+}
+
+
+def timed(totals: dict[str, list[float]], label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    kept = totals.setdefault(label, [0, 0.0])  # calls, seconds
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            kept[0] += 1
+            kept[1] += time.perf_counter() - t0
+    return wrapper
+
+
+def instrument(core: Any) -> dict[str, list[float]]:
+    """Wrap each of :data:`PHASES` the engine has; returns ``{label: [calls, seconds]}``."""
+    totals: dict[str, list[float]] = {}
+    for label, (path, name) in PHASES.items():
+        obj = core
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            setattr(obj, name, timed(totals, label, getattr(obj, name)))
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base_args(parser)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--methods", default="ngram,eagle3")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--min-rounds", type=int, default=4)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    model = os.path.join(spec_decode.ROOT, "default_models", "specloop-tiny")
+    run_args = argparse.Namespace(
+        model=model, draft_model=model + "-draft", prompts="heldout", prompt_len=256, output_len=128, seed=0,
+        min_prompts=16, continuous=True, min_rounds=args.min_rounds, gpu_memory_utilization=args.gpu_memory_utilization,
+        batch_invariant=False, length_zero=False, host_proposals=False, device=args.device, ckpt_root=args.ckpt_root,
+        batch_sizes=[args.batch])
+    from specloop.models.config import read_model_config
+
+    prompts = spec_decode.make_prompts(run_args, read_model_config(model).vocab_size)
+    prompts = prompts[:spec_decode.num_prompts(run_args, args.batch)]
+    engines: list[tuple[str, dict[str, Any] | None, bool]] = [("no drafts", None, False)]
+    for method in args.methods.split(","):
+        spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
+        if method == "ngram":
+            spec.update(prompt_lookup_min=2, prompt_lookup_max=4)
+        elif method == "draft_model":
+            spec["model"] = run_args.draft_model
+        elif os.path.isdir(f"{model}-{method}"):
+            spec["model"] = f"{model}-{method}"
+        engines += [(f"{method} at length 0", spec, True), (f"{method} K={args.k}", spec, False),
+                    (f"{method} adaptive", dict(spec, policy="adaptive"), False)]
+    os.makedirs(args.out, exist_ok=True)
+    results = {}
+    for name, spec, zero in engines:
+        run_args.length_zero = zero
+        engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
+        engine.run()  # warm-up: compiles, graph pools, the policy's first probes
+        totals = instrument(engine.llm.core)
+        engine.run()
+        steps = max(int(totals["step"][0]), 1)
+        row = {"ms_per_step": round(1e3 * engine.times[-1] / steps, 3), "steps": steps,
+               **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()}}
+        if engine.step_times is not None and engine.step_times.runs:
+            row["step times by length (steps, ms)"] = engine.step_times.runs[-1]
+        results[name] = row
+        report(f"batch {args.batch}: {name}", row)
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            engine.run()
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+            with open(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.txt"), "w") as f:
+                f.write(text.getvalue())
+        engine.llm.core.shutdown()
+        del engine
+    with open(os.path.join(args.out, f"step_phases_b{args.batch}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
