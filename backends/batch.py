@@ -96,6 +96,8 @@ class InputBatch:
     logits_indices: torch.Tensor  # [R] int64: layout.token_rows on the device
     # Filled by whoever computed them already (a CUDA graph computes logits for every row).
     precomputed_logits: torch.Tensor | None = field(default=None)
+    # Each row's plain draw, when a decode graph drew them (``backends.gpu.graphs``).
+    presampled: torch.Tensor | None = field(default=None)
 
     @property
     def req_ids(self) -> list[str]:

@@ -42,6 +42,7 @@ class ForwardOutput:
     hidden_states: torch.Tensor  # [T, H] final (post-norm) states of the live tokens
     aux_hidden_states: list[torch.Tensor]  # the residual stream entering each tapped layer
     logits: torch.Tensor | None = None  # [T, V] float32 of every live row, when a graph computed them
+    sampled: torch.Tensor | None = None  # [T] int64: each row's draw, when a decode graph drew them
 
 
 class EagerExecutor:

@@ -291,6 +291,7 @@ class ModelRunner:
     def forward(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
         out = self.parts.executor.run(batch, key)
         batch.precomputed_logits = out.logits
+        batch.presampled = out.sampled
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

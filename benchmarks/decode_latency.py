@@ -28,6 +28,13 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
                     report, save)
 
 
+def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
+    gpu = {name: value for name, value in (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling))
+           if value is not None}
+    return {"gpu": gpu} if gpu else {}
+
+
 def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
     from specloop import LLM, SamplingParams
     from specloop.frontend.engine_builder import freeze_heap
@@ -40,7 +47,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[st
     t0 = time.perf_counter()
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_model_len=args.prompt_len + args.output_len + 16,
               max_num_seqs=max(sizes), gpu_memory_utilization=args.gpu_memory_utilization, model_runner=args.runner,
-              plugin_options={"gpu": {"skinny_gemv": args.skinny_gemv}} if args.skinny_gemv is not None else {})
+              plugin_options=gpu_options(args))
     init_s = time.perf_counter() - t0
     freeze_heap()  # no full collection over the KV blocks inside a timed run
     rng = np.random.default_rng(0)
@@ -95,6 +102,8 @@ def main() -> None:
     parser.add_argument("--runner", default=None)
     parser.add_argument("--skinny-gemv", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
+    parser.add_argument("--graph-sampling", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's graph_sampling option (decode graphs draw their tokens; on by default)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -62,15 +62,18 @@ class _BodyReplay:
             self.run()
 
 
-def eager_target_graphs(runner: Any, ragged: bool = True) -> Any:
+def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False) -> Any:
     """Give a gpu runner on the CPU the target's graph executor (``backends.gpu.graphs``) with
-    eager stand-ins for its ragged graphs only, so that every step small enough replays one;
-    returns the executor."""
+    eager stand-ins for its ragged graphs, so that every step small enough replays one, and with
+    ``decode`` for its decode graphs (``q = 1``, drawing each row's token); returns the executor."""
     from specloop.backends.gpu.graphs import GraphExecutor
 
     eager, batch, mc = runner.parts.executor, runner.parts.builder, runner.model_config
-    executor = GraphExecutor(eager, batch, [1], mc.hidden_size, runner.vocab_size, lambda *_: 1, ragged=ragged)
+    executor = GraphExecutor(eager, batch, [1], mc.hidden_size, runner.vocab_size, lambda *_: 1, ragged=ragged,
+                             sample_in_graph=decode)
     size = max(executor.sizes)
     executor.graphs = {(0, t): _BodyReplay(executor._body(0, size, t)) for t in executor.ragged}
+    if decode:
+        executor.graphs.update({(1, s): _BodyReplay(executor._body(1, s)) for s in executor.sizes})
     runner.parts.executor = executor
     return executor

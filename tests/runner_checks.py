@@ -105,6 +105,34 @@ def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3", 
     return runner
 
 
+def check_decode_graph_draws(device: str) -> None:
+    """Decode graphs that draw each row's token (eager stand-ins on the CPU): a greedy, a seeded and
+    a seeded min-p request decode the torch runner's tokens; the first two take the graph's draws,
+    the min-p one draws again outside it, over the graph's write into its token row."""
+    model = tiny("qwen3")
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=11, max_tokens=100), SEEDED]
+    outs = {}
+    for name in ("torch", "gpu"):
+        runner = make_runner(model.path, name, device, "float32")
+        executor = None
+        if name == "gpu":  # on the CPU, eager stand-ins for the graphs
+            executor = eager_target_graphs(runner, ragged=False, decode=True) if device == "cpu" else \
+                runner.parts.executor
+        plans = Plans(runner, 4, 64)
+        for rid, p, sp in zip("abc", prompts(3, seed=4, min_len=5, max_len=9), params):
+            plans.add(rid, p, sp)
+        plans.run({rid: len(req.tokens) for rid, req in plans.reqs.items()})
+        for _ in range(5):
+            plans.run({"a": 1, "b": 1})  # plain: the graph's draws
+        for _ in range(3):
+            plans.run({"a": 1, "b": 1, "c": 1})  # min-p: drawn again
+        outs[name] = {rid: req.tokens for rid, req in plans.reqs.items()}
+        if executor is not None:
+            assert runner.parts.sampler.num_presampled == 5, runner.parts.sampler.num_presampled
+            assert executor.num_replays - executor.num_ragged_replays == 8, executor.num_replays
+    assert outs["gpu"] == outs["torch"], outs
+
+
 def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
     """The gpu runner with asynchronous scheduling (the next step reads this step's tokens on the
     device; the host learns them a step late) against the synchronous torch runner, through the
@@ -351,6 +379,7 @@ def _main() -> None:
     for variant in sys.argv[1].split(","):
         check_runner_matches_torch("cpu", "float32", variant)
     check_runner_matches_torch("cpu", "float32", "qwen3", ragged_stand_ins=True)
+    check_decode_graph_draws("cpu")
     check_async_scheduling_matches_sync("cpu", "float32")
     check_spec_async_matches_sync("cpu", "float32")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)

@@ -82,6 +82,10 @@ def test_gpu_runner_matches_torch_runner(variant: str, dtype: str) -> None:
     assert (ragged > 0) is not variant.startswith("deepseek"), ragged
 
 
+def test_decode_graphs_draw_the_torch_runners_tokens() -> None:
+    rc.check_decode_graph_draws("cuda")
+
+
 def test_async_scheduling_matches_synchronous_torch_runner() -> None:
     rc.check_async_scheduling_matches_sync("cuda", "float32")
 

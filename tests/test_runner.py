@@ -261,6 +261,8 @@ def test_gpu_runner_options_are_checked() -> None:
     from specloop.kernels.gemv import few_rows_linear
     from specloop.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard
 
+    assert GpuPlatform(EngineConfig()).graph_sampling is True
+    assert GpuPlatform(EngineConfig(plugin_options={"gpu": {"graph_sampling": False}})).graph_sampling is False
     assert GpuPlatform(EngineConfig(device="cpu")).skinny_gemv is False
     assert GpuPlatform(EngineConfig(device="cuda")).skinny_gemv is True
     assert GpuPlatform(EngineConfig(device="cuda", batch_invariant=True)).skinny_gemv is False

@@ -53,7 +53,8 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # The whole gpu runner (persistent batch, prepare kernel, fused forward, fast sampler; MLA and
     # fused MoE for DeepSeek-V3) on the CPU: same tokens as the torch runner through chunking, a
     # prefix hit, a seeded sampled request and preemption; grammar masks on the fast sampler with
-    # asynchronous scheduling. CUDA graphs need a GPU (test_gpu_backend.py).
+    # asynchronous scheduling. CUDA graphs need a GPU (test_gpu_backend.py); their ragged and decode
+    # bodies (the decode graph's own draws) run here as eager stand-ins on the graphs' buffers.
     _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
 
 

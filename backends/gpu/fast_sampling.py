@@ -16,6 +16,10 @@ Both paths take structured outputs' grammar masks: the step's packed bitmask goe
 through a pinned buffer and the mask kernel clears the forbidden logits of its rows before the draw
 or the argmax, so a constrained plain batch still samples on the device and defers its tokens.
 
+A plain decode step replayed from a CUDA graph finds its draws made already (``batch.presampled``:
+the graph ran the same kernel on the same parameters and stored the tokens); without min-p and a
+grammar mask it only copies them to the host.
+
 Everything else goes to the reference stage, with the Gumbel-max kernel for its draws.
 """
 
@@ -46,6 +50,7 @@ class FastSamplingStage:
         self._host = [torch.zeros(max_tokens, dtype=torch.int64, pin_memory=pinned)
                       for _ in range(self.NUM_HOST_BUFFERS)]
         self._turn = 0
+        self.num_presampled = 0  # plain steps whose draws a decode graph made
         self._masks: list[torch.Tensor | None] = [None] * self.NUM_HOST_BUFFERS  # pinned bitmask staging
         self._mask_turn = 0
 
@@ -145,16 +150,21 @@ class FastSamplingStage:
         num_reqs = len(batch.req_ids)
         if num_rows == 0:
             return SampleResult([], None, {}, wait=lambda: [[] for _ in range(num_reqs)])
+        any_min_p = bool(pb.with_min_p) and any(rid in pb.with_min_p for rid in batch.req_ids)
         with torch.inference_mode():
-            logits = self.reference.logits(batch, hidden_states)
-            self._apply_grammar(batch, logits, grammar)
-            rows = pb.sample_req_rows[:num_rows].long()
-            slots = pb.req_slots.index_select(0, rows).long()
-            any_min_p = any(requests[r].sampling_params.min_p > 0 for r in batch.req_ids)
-            tokens = gumbel_sample(logits, pb.temperature.index_select(0, slots), pb.seeds.index_select(0, slots),
-                                   pb.seq_lens.index_select(0, rows).long(),
-                                   min_p=pb.min_p.index_select(0, slots) if any_min_p else None)
-            pb.write_sampled(tokens)
+            if (batch.presampled is not None and grammar is None and not any_min_p and num_rows == num_reqs):
+                # The decode graph drew every row, and stored each token in its row, already.
+                tokens = batch.presampled[:num_rows]
+                self.num_presampled += 1
+            else:
+                logits = self.reference.logits(batch, hidden_states)
+                self._apply_grammar(batch, logits, grammar)
+                rows = pb.sample_req_rows[:num_rows].long()
+                slots = pb.req_slots.index_select(0, rows).long()
+                tokens = gumbel_sample(logits, pb.temperature.index_select(0, slots),
+                                       pb.seeds.index_select(0, slots), pb.seq_lens.index_select(0, rows).long(),
+                                       min_p=pb.min_p.index_select(0, slots) if any_min_p else None)
+                pb.write_sampled(tokens)
             host = self._next_host_buffer(num_rows)
             host.copy_(tokens, non_blocking=True)
             copied = torch.cuda.Event() if tokens.is_cuda else None

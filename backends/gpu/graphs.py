@@ -6,7 +6,11 @@ speculation policy may ask for fewer, and the drafting stage pads a batch's draf
 so a decode batch with drafts is uniform). One graph per (q, padded request count) is captured at
 start-up, largest first, sharing one memory pool; it reads the persistent batch's step tensors
 (fixed addresses) and writes the final hidden states (and the residual streams of the layers a
-proposer taps), plus the logits of every row when ``q = 1``. A live batch of ``B`` requests replays
+proposer taps), plus, when ``q = 1``, the logits of every row and (``sample_in_graph``) each row's
+draw by the fast sampler's kernel with the row's slot parameters, stored into its token row at
+``write_at`` (``PersistentBatch``): a plain decode step then launches no sampling work of its own
+(``FastSamplingStage``), and a step that needs another draw (min-p, a grammar mask, penalties,
+logprobs) draws again over it. A live batch of ``B`` requests replays
 the smallest graph of at least ``B`` requests; the rows past ``B`` are padding that owns no tokens
 and writes no KV.
 
@@ -31,6 +35,7 @@ from typing import Callable
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
+from specloop.kernels.sampling import gumbel_sample
 from specloop.proposers.step_graphs import graph_sizes
 
 from ..batch import InputBatch
@@ -51,7 +56,8 @@ class GraphExecutor:
     replays_uniform_batches = True
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
-                 vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True) -> None:
+                 vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True,
+                 sample_in_graph: bool = False) -> None:
         self.eager = eager
         self.batch = batch
         self.q_lens = q_lens
@@ -67,6 +73,8 @@ class GraphExecutor:
         self.aux = [torch.zeros_like(self.hidden) for _ in eager.aux_layers]
         self.logits = torch.zeros(max(self.sizes), vocab_size, dtype=torch.float32, device=batch.device) \
             if 1 in q_lens else None
+        self.sampled = torch.zeros(max(self.sizes), dtype=torch.int64, device=batch.device) \
+            if sample_in_graph and self.logits is not None else None
         # (q, padded requests) of the uniform graphs; (0, padded tokens) of the ragged ones
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits: dict[tuple[int, int], int] = {}
@@ -148,6 +156,12 @@ class GraphExecutor:
                 buffer[:tokens].copy_(tapped)
             if q == 1 and self.logits is not None:
                 self.logits[:tokens].copy_(model.compute_logits(hidden))
+                if self.sampled is not None:
+                    slots = pb.req_slots[:size]
+                    drawn = gumbel_sample(self.logits[:size], pb.temperature.index_select(0, slots),
+                                          pb.seeds.index_select(0, slots), pb.seq_lens[:size].long(),
+                                          out=self.sampled[:size])
+                    pb.tokens.view(-1).index_copy_(0, pb.write_at[:size].long(), drawn.to(torch.int32))
         return run
 
     def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
@@ -175,4 +189,5 @@ class GraphExecutor:
         self.num_ragged_replays += not key.q
         n = batch.num_tokens
         logits = self.logits[:n] if key.q == 1 and self.logits is not None else None
-        return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits)
+        sampled = self.sampled[:n] if key.q == 1 and self.sampled is not None else None
+        return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits, sampled)

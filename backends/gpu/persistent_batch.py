@@ -9,10 +9,13 @@ token straight into the token row, and a proposal launched on the device its dra
 decode step sends no token ids at all, and a verification only the tokens it accepted.
 
 Each step the host fills one pinned int32 buffer, ``[req_slots | starts | qsl | seq_lens |
-sample_req_rows | logits_indices]``, and copies it to the device in one transfer; the
+sample_req_rows | logits_indices | write_at]``, and copies it to the device in one transfer; the
 ``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
 ``slot_mapping``. All step tensors have fixed addresses, so CUDA graphs captured on them replay on
 the live values; rows past the live batch are padding a graph may read (no owner, no KV write).
+``write_at`` is where a decode graph that samples stores each row's token (a flat index into the
+token rows; rows that sample nothing, and padding, point at the spare slot ``max_reqs``, which no
+request owns).
 """
 
 from __future__ import annotations
@@ -58,30 +61,34 @@ class PersistentBatch:
         self.max_reqs, self.max_len, self.block_size, self.max_tokens = max_reqs, max_len, block_size, max_tokens
         self.device = device
         self.max_blocks = -(-max_len // block_size)
+        if (max_reqs + 1) * max_len >= 1 << 31:
+            raise ValueError(f"{max_reqs} requests of {max_len} tokens do not fit the device batch's int32 indices")
         i32 = dict(dtype=torch.int32, device=device)
-        # --- per slot, persistent ---
-        self.tokens = torch.zeros(max_reqs, max_len, **i32)
-        self.block_table = torch.zeros(max_reqs, self.max_blocks, **i32)
-        self.temperature = torch.zeros(max_reqs, dtype=torch.float32, device=device)
-        self.min_p = torch.zeros(max_reqs, dtype=torch.float32, device=device)
-        self.seeds = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        # --- per slot, persistent (slot max_reqs: the spare one, for writes that go nowhere) ---
+        self.spare = max_reqs
+        self.tokens = torch.zeros(max_reqs + 1, max_len, **i32)
+        self.block_table = torch.zeros(max_reqs + 1, self.max_blocks, **i32)
+        self.temperature = torch.zeros(max_reqs + 1, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(max_reqs + 1, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_reqs + 1, dtype=torch.int64, device=device)
         # --- host bookkeeping (set by add/remove/update) ---
         self.slots: dict[str, int] = {}
         self._free = list(range(max_reqs - 1, -1, -1))
         self.device_len: dict[str, int] = {}  # leading token positions valid on the device
         self.device_blocks: dict[str, int] = {}  # leading block-table entries valid on the device
         self.plain: dict[str, bool] = {}
+        self.with_min_p: set[str] = set()  # requests sampling with min-p (the graphs' draw has none)
         self._token_writes: list[tuple[int, int, list[int]]] = []
         self._block_writes: list[tuple[int, int, list[int]]] = []
         self._param_writes: list[tuple[int, float, float, int]] = []
         # --- one step, at fixed addresses ---
-        self._off = np.cumsum([0, max_reqs, max_reqs, max_reqs + 1, max_reqs, max_tokens, max_tokens])
+        self._off = np.cumsum([0, max_reqs, max_reqs, max_reqs + 1, max_reqs, max_tokens, max_tokens, max_reqs])
         pinned = device.type == "cuda"
         self._host = torch.zeros(int(self._off[-1]), dtype=torch.int32, pin_memory=pinned)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(int(self._off[-1]), **i32)
         self.req_slots, self.starts, self.query_start_loc, self.seq_lens, self.sample_req_rows, \
-            self.logits_indices = (self._dev[self._off[k]:self._off[k + 1]] for k in range(6))
+            self.logits_indices, self.write_at = (self._dev[self._off[k]:self._off[k + 1]] for k in range(7))
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -117,6 +124,8 @@ class PersistentBatch:
         params = state.sampling_params
         self._param_writes.append((slot, 0.0 if params.greedy else params.temperature, params.min_p, state.seed))
         self.plain[rid] = plain_sampling(params)
+        if params.min_p > 0:
+            self.with_min_p.add(rid)
 
     def remove(self, req_id: str) -> None:
         slot = self.slots.pop(req_id, None)
@@ -125,6 +134,7 @@ class PersistentBatch:
         self._free.append(slot)
         for d in (self.device_len, self.device_blocks, self.plain):
             d.pop(req_id, None)
+        self.with_min_p.discard(req_id)
 
     def update_running(self, state: CachedRequestState) -> None:
         """A running request after the plan was applied to ``state``: send the device the tokens it
@@ -194,6 +204,12 @@ class PersistentBatch:
         host[off[3] + num_reqs:off[3] + rows] = 0
         host[off[4]:off[4] + len(lay.sample_req_rows)] = lay.sample_req_rows
         host[off[5]:off[5] + len(lay.token_rows)] = lay.token_rows
+        if pad_to and lay.max_query_len == 1:  # a decode graph: where each row's token goes
+            samples = np.fromiter((count == 1 for _, count in lay.sample_rows), dtype=bool, count=num_reqs)
+            at = host[off[6]:off[6] + rows]
+            at[:] = self.spare * self.max_len
+            at[:num_reqs][samples] = (np.asarray(slots, dtype=np.int64)[samples] * self.max_len
+                                      + np.asarray(lay.seq_lens, dtype=np.int64)[samples])
         self._dev.copy_(self._host, non_blocking=True)
         torch.index_select(self.block_table, 0, self.req_slots[:num_reqs], out=self.block_tables[:num_reqs])
         if pad_to:

@@ -14,7 +14,9 @@ left in the device token rows; off, it proposes once the host has read the step)
 ``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default on on
 CUDA, off with ``batch_invariant``, which it cannot be combined with: the target's linear layers run
 ``kernels.gemv`` in one-row steps, cuBLAS in the rest, and the op set fuses a decoder layer's norms
-and activation into them, ``models.ops.FewRowsOps``). Any other key is refused.
+and activation into them, ``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
+step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only). Any other key is
+refused.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ logger = logging.getLogger("specloop")
 class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
-    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv")
+    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -57,6 +59,7 @@ class GpuPlatform:
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
         self.device_proposals = bool(opts.get("device_proposals", True))
+        self.graph_sampling = bool(opts.get("graph_sampling", True))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -89,7 +92,8 @@ class GpuPlatform:
             # follow the step's shape, and in batch-invariant mode.
             ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
-                                     functools.partial(backend.decode_splits, mc), ragged=ragged)
+                                     functools.partial(backend.decode_splits, mc), ragged=ragged,
+                                     sample_in_graph=self.graph_sampling and runner.tp.size == 1)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            write_drafts=batch.write_drafts if self.device_proposals else None)
