@@ -39,7 +39,11 @@ speculation policy choose the speculation length per step (K is then its maximum
 drafting nothing): its speedup is what a proposer costs a step when it drafts nothing.
 ``--continuous`` submits every prompt at once with at most b running (continuous batching, as a
 server sees it) instead of lockstep rounds of b, whose tails (requests finishing at different steps
-under speculation) the run without drafts never has. ``--batch-invariant`` runs both engines in
+under speculation) the run without drafts never has. With every output the same length, though,
+the run without drafts still admits a round's replacements all in one step, while requests with
+drafts finish, and are replaced, one at a time: ``--output-len-spread 0.5`` draws each prompt's
+output length from 0.5-1.5x ``--output-len`` (the same for both engines), as a server's traffic
+would. ``--batch-invariant`` runs both engines in
 batch-invariant mode: ``identical`` should then read yes
 in bf16, and the no-draft time against a run without the flag is the mode's cost. The two
 engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU.
@@ -93,6 +97,18 @@ def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
         start = int(rng.integers(0, len(ids) - length))
         prompts.append(ids[start:start + length])
     return prompts
+
+
+def output_lengths(args: argparse.Namespace, n: int) -> list[int]:
+    """Each prompt's output length: ``--output-len``, or with ``--output-len-spread f`` drawn
+    uniformly from ``[(1 - f) L, (1 + f) L]`` (seeded, the same for every engine), so that the
+    engine without drafts also admits requests one at a time instead of all at once."""
+    f = getattr(args, "output_len_spread", 0.0)
+    if not f:
+        return [args.output_len] * n
+    rng = np.random.default_rng(args.seed + 1)
+    low, high = max(1, round(args.output_len * (1 - f))), round(args.output_len * (1 + f))
+    return [int(x) for x in rng.integers(low, high + 1, n)]
 
 
 def num_prompts(args: argparse.Namespace, batch_size: int) -> int:
@@ -208,15 +224,18 @@ class Engine:
         if args.host_proposals and self.cuda:
             options["gpu"] = {"device_proposals": False}
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
-                       max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=batch_size,
+                       max_model_len=args.prompt_len + max(output_lengths(args, len(prompts))) + 16,
+                       max_num_seqs=batch_size,
                        gpu_memory_utilization=args.gpu_memory_utilization, plugin_options=options,
                        batch_invariant=args.batch_invariant)
-        self.params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in output_lengths(args, len(prompts))]
         requests = [{"prompt_token_ids": p} for p in prompts]
         # Lockstep rounds of batch_size (the default), or every prompt at once with at most
         # batch_size running (--continuous: a finished request's place goes to the next prompt).
-        self.rounds = ([requests] if args.continuous else
-                       [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)])
+        self.rounds = ([(requests, params)] if args.continuous else
+                       [(requests[i:i + batch_size], params[i:i + batch_size])
+                        for i in range(0, len(requests), batch_size)])
         self.llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)
         drafter = self.llm.core.runner.drafter
@@ -235,7 +254,7 @@ class Engine:
         if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = [out for batch in self.rounds for out in self.llm.generate(batch, self.params, use_tqdm=False)]
+        outs = [out for batch, params in self.rounds for out in self.llm.generate(batch, params, use_tqdm=False)]
         if self.cuda:
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - t0)
@@ -262,8 +281,8 @@ class Engine:
             proposer.launch = Timer(proposer.launch, self.cuda)
             timers = [proposer.propose, proposer.launch]
         before = self.llm.get_metrics()
-        for batch in self.rounds:
-            self.llm.generate(batch, self.params, use_tqdm=False)
+        for batch, params in self.rounds:
+            self.llm.generate(batch, params, use_tqdm=False)
         drafted = self.llm.get_metrics()["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
         del runner.forward
         if timers:
@@ -316,6 +335,9 @@ def main() -> None:
     parser.add_argument("--prompts", choices=("heldout", "random"), default="heldout")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len-spread", type=float, default=0.0,
+                        help="output lengths uniform in [(1-f), (1+f)] x --output-len per prompt (seeded; 0: all "
+                             "equal, and without drafts every request of a round finishes at the same step)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
