@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--min-rounds", type=int, default=4)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--output-len-spread", type=float, default=0.0,
+                        help="per-prompt output lengths, as spec_decode.py --output-len-spread")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     model = os.path.join(spec_decode.ROOT, "default_models", "specloop-tiny")
@@ -78,7 +80,7 @@ def main() -> None:
         model=model, draft_model=model + "-draft", prompts="heldout", prompt_len=256, output_len=128, seed=0,
         min_prompts=16, continuous=True, min_rounds=args.min_rounds, gpu_memory_utilization=args.gpu_memory_utilization,
         batch_invariant=False, length_zero=False, host_proposals=False, device=args.device, ckpt_root=args.ckpt_root,
-        batch_sizes=[args.batch])
+        batch_sizes=[args.batch], output_len_spread=args.output_len_spread)
     from specloop.models.config import read_model_config
 
     prompts = spec_decode.make_prompts(run_args, read_model_config(model).vocab_size)
