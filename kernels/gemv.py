@@ -35,9 +35,10 @@ from .matmul import linear_rows
 
 MAX_ROWS = 4
 # The steps the runner routes to the kernel: one row. On the H200 it runs a decode projection of
-# qwen3-0.6b or llama3-8b at one row in 0.9-1.1x cuBLAS's time (2x at qwen3-0.6b's o_proj), and
+# qwen3-0.6b or llama3-8b at one row in 0.85-1.07x cuBLAS's time (0.48x at qwen3-0.6b's o_proj), and
 # fusing a layer's norm and activation into it makes batch-1 decode 14% faster; at four rows, where
-# it multiplies one row at a time, cuBLAS is 1.1-2.8x faster (``benchmarks/gemv.py``).
+# it multiplies one row at a time, cuBLAS is 1.4-2.8x faster but for qwen3-0.6b's o_proj
+# (``benchmarks/gemv.py``).
 ROUTED_ROWS = 1
 DEFAULT_TILE = (512, 4, 3)  # BLOCK_K, num_warps, num_stages (BLOCK_N: :func:`choose_block_n`)
 
