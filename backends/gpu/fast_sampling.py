@@ -74,7 +74,7 @@ class FastSamplingStage:
             return self._verify_greedy(batch, hidden_states, grammar, launch)
         if not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
-        result = self._sample_plain(batch, hidden_states, requests, grammar)
+        result = self._sample_plain(batch, hidden_states, grammar)
         if not defer:
             result.sampled, result.wait = result.wait(), None
         return result
@@ -142,7 +142,7 @@ class FastSamplingStage:
         return host
 
     def _sample_plain(self, batch: InputBatch, hidden_states: torch.Tensor,
-                      requests: dict[str, CachedRequestState], grammar: GrammarBitmask | None = None) -> SampleResult:
+                      grammar: GrammarBitmask | None = None) -> SampleResult:
         """Launch the draw and the copy of its tokens to the host; ``wait()`` reads them."""
         pb = self.batch
         num_rows = batch.logits_indices.shape[0]

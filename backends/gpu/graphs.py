@@ -75,6 +75,7 @@ class GraphExecutor:
             if 1 in q_lens else None
         self.sampled = torch.zeros(max(self.sizes), dtype=torch.int64, device=batch.device) \
             if sample_in_graph and self.logits is not None else None
+        batch.draws_in_graph = self.sampled is not None
         # (q, padded requests) of the uniform graphs; (0, padded tokens) of the ragged ones
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.splits: dict[tuple[int, int], int] = {}

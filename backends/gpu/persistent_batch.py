@@ -78,6 +78,7 @@ class PersistentBatch:
         self.device_blocks: dict[str, int] = {}  # leading block-table entries valid on the device
         self.plain: dict[str, bool] = {}
         self.with_min_p: set[str] = set()  # requests sampling with min-p (the graphs' draw has none)
+        self.draws_in_graph = False  # set by a graph executor whose decode graphs draw (``write_at``)
         self._token_writes: list[tuple[int, int, list[int]]] = []
         self._block_writes: list[tuple[int, int, list[int]]] = []
         self._param_writes: list[tuple[int, float, float, int]] = []
@@ -204,7 +205,7 @@ class PersistentBatch:
         host[off[3] + num_reqs:off[3] + rows] = 0
         host[off[4]:off[4] + len(lay.sample_req_rows)] = lay.sample_req_rows
         host[off[5]:off[5] + len(lay.token_rows)] = lay.token_rows
-        if pad_to and lay.max_query_len == 1:  # a decode graph: where each row's token goes
+        if self.draws_in_graph and pad_to and lay.max_query_len == 1:  # where a decode graph puts each row's token
             samples = np.fromiter((count == 1 for _, count in lay.sample_rows), dtype=bool, count=num_reqs)
             at = host[off[6]:off[6] + rows]
             at[:] = self.spare * self.max_len
