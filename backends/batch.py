@@ -10,6 +10,7 @@ device), ``backends.gpu.persistent_batch.PersistentBatch`` from device-resident 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,10 @@ class InputBatch:
     precomputed_logits: torch.Tensor | None = field(default=None)
     # Each row's plain draw, when a decode graph drew them (``backends.gpu.graphs``).
     presampled: torch.Tensor | None = field(default=None)
+    # Rows of requests whose last verification's outcome the plan did not know yet: it assumed every
+    # draft accepted, the device pulled their starts back by the rejected counts, and the runner
+    # does the same to ``layout`` once it reads them (``ModelRunner._rebase``).
+    lagged: list[int] = field(default_factory=list)
 
     @property
     def req_ids(self) -> list[str]:
@@ -146,8 +151,14 @@ class HostBatchBuilder:
     def update(self, changes: PlanChanges) -> None:
         """Nothing is resident between steps."""
 
+    def mark_on_device(self, req_id: str, length: int) -> None:
+        """Nothing is resident between steps."""
+
     def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
-                num_splits: int = 0) -> InputBatch:
+                num_splits: int = 0, lagged: Sequence[int] = ()) -> InputBatch:
+        if lagged:
+            raise ValueError("the host batch builder builds from the host's tokens: it cannot follow drafts "
+                             "rejected on the device (lagged rows)")
         lay = BatchLayout.from_plan(plan, requests, self.block_size)
         bs = self.block_size
         input_ids: list[int] = []

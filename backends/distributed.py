@@ -55,7 +55,8 @@ from specloop.models.ops import Ops
 from specloop.models.parallel import (TensorParallel, abort_tensor_parallel, destroy_tensor_parallel,
                                       init_tensor_parallel)
 
-from .runner import ModelRunner, Platform, RunnerParts, TorchPlatform
+from .parts import RunnerParts
+from .runner import ModelRunner, Platform, TorchPlatform
 from .sampling_stage import SamplingStage
 from .shared_tokens import BroadcastSampledTokens, ReceiveSampledTokens
 

@@ -30,9 +30,10 @@ from specloop.proposers.policy import SpeculationPolicy, StepObservation
 from .batch import InputBatch
 from .requests import PLACEHOLDER, CachedRequestState
 
-# Writes a launched proposal's drafts ``[n, K]`` into the device token rows of the step's first
-# ``n`` requests from the given positions (``PersistentBatch.write_drafts``).
-DraftWriter = Callable[[torch.Tensor, torch.Tensor], None]
+# Writes a uniform verification's outcome and the drafts launched after it into the device token
+# rows of the step's first ``n`` requests: ``(first [n], accepted [n], targets [n, q], drafts [n, K])``
+# (``PersistentBatch.write_proposal``).
+DraftWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -200,8 +201,8 @@ class DraftingStage:
             drafts = self.proposer.launch(step)
             if drafts is None:
                 return
-            # Drafts follow the newest token, at position first + accepted.
-            self.write_drafts(batch.positions[:n * q].view(n, q)[:, 0] + accepted + 1, drafts)
+            # The newest token goes to position first + accepted, the drafts after it.
+            self.write_drafts(batch.positions[:n * q].view(n, q)[:, 0], accepted, targets, drafts)
             if not self._host_drafts:
                 self._host_drafts = [torch.empty((self.config.max_num_seqs, drafts.shape[1]), dtype=torch.int64,
                                                  pin_memory=drafts.is_cuda) for _ in range(2)]
@@ -215,20 +216,35 @@ class DraftingStage:
 
         return launch
 
+    @property
+    def launched(self) -> bool:
+        """Whether this step's proposal was launched from the device (its drafts are placeholders)."""
+        return self._launched is not None
+
     def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,
-                aux_hidden_states: list[torch.Tensor], sampled: list[list[int]],
-                requests: dict[str, CachedRequestState], step_seconds: float) -> DraftTokenIds | None:
-        """``step_seconds``: what the step's forward and sampling took (the policy's cost model)."""
+                aux_hidden_states: list[torch.Tensor], sampled: list[list[int]] | None,
+                requests: dict[str, CachedRequestState], step_seconds: float
+                ) -> tuple[DraftTokenIds | None, StepObservation]:
+        """The drafts, and what the step showed the policy's cost model (``step_seconds``: what its
+        forward and sampling took). ``sampled`` None: a launched proposal after a verification not
+        read yet; its observation's ``verified`` waits for :meth:`observe`."""
         start = time.perf_counter()
         if self._launched is not None:
             drafts = self._placeholders(plan, batch, sampled, requests)
         else:
+            assert sampled is not None
             drafts = self._propose(plan, batch, hidden_states, aux_hidden_states, sampled, requests)
-        verified = [(rid, len(spec), len(out) - 1)
-                    for rid, spec, out in zip(batch.req_ids, batch.spec_token_ids, sampled) if spec and out]
-        self.policy.observe(StepObservation(batch.num_tokens, step_seconds, time.perf_counter() - start,
-                                            sum(map(len, drafts.draft_token_ids)) if drafts else 0, verified))
-        return drafts
+        step = StepObservation(batch.num_tokens, step_seconds, time.perf_counter() - start,
+                               sum(map(len, drafts.draft_token_ids)) if drafts else 0, [])
+        if sampled is not None:
+            self.observe(step, batch, sampled)
+        return drafts, step
+
+    def observe(self, step: StepObservation, batch: InputBatch, sampled: list[list[int]]) -> None:
+        """Tell the policy what the step verified and accepted."""
+        step.verified = [(rid, len(spec), len(out) - 1)
+                         for rid, spec, out in zip(batch.req_ids, batch.spec_token_ids, sampled) if spec and out]
+        self.policy.observe(step)
 
     def after(self, record: StepRecord | None) -> bool:
         """Whether the proposer is called after this step's sampling; if not, it is told it
@@ -238,12 +254,16 @@ class DraftingStage:
             self.proposer.skip()
         return propose
 
-    def _placeholders(self, plan: SchedulerOutput, batch: InputBatch, sampled: list[list[int]],
+    def _placeholders(self, plan: SchedulerOutput, batch: InputBatch, sampled: list[list[int]] | None,
                       requests: dict[str, CachedRequestState]) -> DraftTokenIds | None:
         """The launched proposal's drafts as placeholders, as many per request as ``propose``
-        would keep (:func:`draft_limits`, then padding), each standing for its row of the launch."""
+        would keep (:func:`draft_limits`, then padding), each standing for its row of the launch.
+        ``sampled`` None: the verification is not read yet; the requests' token ids end in one
+        placeholder per row it computed (as if it accepted every draft), which bounds the limits."""
         launched, self._launched = self._launched, None
         self.draft_probs.clear()
+        if sampled is None:
+            sampled = [[PLACEHOLDER] * count for _, count in batch.sample_rows]
         inputs = self._inputs(plan, batch, sampled, requests, list(range(len(batch.req_ids))))
         k = self.proposer.num_speculative_tokens
         inputs.max_drafts = np.array(self.policy.choose(inputs.req_ids, k), dtype=np.int64)

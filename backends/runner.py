@@ -35,55 +35,12 @@ from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
-from .drafting import DraftingStage, DraftWriter, StepRecord
+from .drafting import DraftingStage, StepRecord
 from .executor import EagerExecutor, ForwardOutput, GraphKey, Recorder
-from .pending import DeviceClock, PendingOutput, provisional
-from .requests import CachedRequestState, PlanChanges, apply_plan
+from .parts import BatchBuilder, Executor, RunnerParts, Sampler  # noqa: F401 (re-exported)
+from .pending import DeviceClock, PendingOutput, provisional, read_later, rebase
+from .requests import CachedRequestState, apply_plan
 from .sampling_stage import SampleResult, SamplingStage, compute_logits
-
-
-class BatchBuilder(Protocol):
-    def update(self, changes: PlanChanges) -> None: ...
-
-    def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
-                num_splits: int = 0) -> InputBatch: ...
-
-
-class Executor(Protocol):
-    kv_caches: list[torch.Tensor]
-    # Whether uniform batches (every request computing the same number of tokens) run faster,
-    # replayed from CUDA graphs: the drafting stage then pads drafts to make them uniform.
-    replays_uniform_batches: bool
-
-    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None: ...
-
-    def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput: ...
-
-    def profile(self, num_tokens: int, num_logit_rows: int, kv_caches: list[torch.Tensor], block_size: int,
-                device: torch.device) -> None: ...
-
-    def release(self) -> None: ...
-
-
-class Sampler(Protocol):
-    def forget(self, finished: frozenset[str]) -> None: ...
-
-    def can_defer(self, batch: InputBatch) -> bool:
-        """Whether :meth:`sample` can leave this batch's tokens on the device (``defer=True``)."""
-
-    def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
-               draft_probs: dict[str, torch.Tensor | None], defer: bool = False, grammar: GrammarBitmask | None = None,
-               launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult: ...
-
-
-@dataclass(slots=True)
-class RunnerParts:
-    builder: BatchBuilder
-    executor: Executor
-    sampler: Sampler
-    # Writes drafts proposed on the device into the builder's device token rows, when it keeps them
-    # there: proposals may then be launched from the device (``DraftingStage.launcher``).
-    write_drafts: DraftWriter | None = None
 
 
 class Platform(Protocol):
@@ -94,6 +51,9 @@ class Platform(Protocol):
     # on a worker thread) or "device" (launched work runs on while its sampled tokens, still on the
     # device, feed the next step's inputs).
     overlap: str
+    # Optional: whether a verification whose next proposal launched from the device may be read a
+    # step late (``backends.pending.read_later``); absent means False.
+    late_verification: bool
 
     def ops(self, config: EngineConfig) -> Ops: ...
 
@@ -107,6 +67,7 @@ class Platform(Protocol):
 class TorchPlatform:
     default_attention_backend = "torch"
     overlap = "thread"
+    late_verification = False
 
     def ops(self, config: EngineConfig) -> Ops:
         return TORCH_OPS
@@ -170,6 +131,9 @@ class ModelRunner:
         self._executing: Future[None] | None = None
         self._pending: PendingOutput | None = None
         self._launched: SchedulerOutput | None = None  # the plan execute_model launched last
+        # The requests of the last verification left on the device (``_verify_later``): None until
+        # its outcome is read, then the drafts each rejected.
+        self._lagging: dict[str, int | None] = {}
         self.device_clock: DeviceClock | None = None  # times device work for a timeline
 
     def _new_attention_backend(self) -> AttentionBackend:
@@ -280,12 +244,19 @@ class ModelRunner:
         parts.sampler.forget(changes.finished)
         if self.drafter is not None:
             self.drafter.remove(changes.removed, changes.finished)
+        for rid in changes.removed:
+            self._lagging.pop(rid, None)
 
     def prepare_inputs(self, plan: SchedulerOutput) -> tuple[InputBatch, GraphKey | None]:
-        """The step's inputs, padded for the CUDA graph that will run it, if one will."""
+        """The step's inputs, padded for the CUDA graph that will run it, if one will. A request
+        whose last verification is still unread was planned as if it accepted every draft: the
+        device pulls it back by the drafts it rejected (``lagged``)."""
         key = self.parts.executor.graph_for(plan)
+        lagging = self._lagging
+        lagged = ([i for i, rid in enumerate(plan.num_scheduled_tokens) if rid in lagging and lagging[rid] is None]
+                  if lagging else [])
         batch = self.parts.builder.prepare(plan, self.requests, pad_to=key.size if key else None,
-                                           num_splits=key.num_splits if key else 0)
+                                           num_splits=key.num_splits if key else 0, lagged=lagged)
         return batch, key
 
     def forward(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
@@ -309,7 +280,7 @@ class ModelRunner:
             sampling = self._worker.submit(self._sample_after, executing, grammar, record)
             return PendingOutput(sampling.result, overlaps=record is None or record.overlaps)
         out = self._sample(grammar, record)
-        if self.async_scheduling and record is not None and not record.overlaps:
+        if self.async_scheduling and not isinstance(out, PendingOutput) and record is not None and not record.overlaps:
             return PendingOutput(lambda: out, overlaps=False)  # resolved: a step with drafts
         return out
 
@@ -331,15 +302,25 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         sampler = self.parts.sampler
         propose = self.drafter.after(record) if self.drafter is not None else False
-        defer = self.async_scheduling and not propose and sampler.can_defer(batch)
+        defer = self.async_scheduling and not propose and not batch.lagged and sampler.can_defer(batch)
         if not defer:
             self._resolve_pending()  # the paths below read every request's tokens on the host
+        if batch.lagged:
+            rebase(batch, self.requests, self._lagging)
+        self._lagging = {}
         drafter = self.drafter
         launch = (drafter.before_sampling(batch, step.hidden_states, step.aux_hidden_states, self.requests, grammar,
                                           propose) if drafter is not None else None)
+        # A verification whose next proposal launches from the device may be read a step late.
+        later = (self.async_scheduling and launch is not None and getattr(self.platform, "late_verification", False)
+                 and getattr(self.attn_backend, "device_lengths", False))
         result = sampler.sample(batch, step.hidden_states, self.requests, drafter.draft_probs if drafter else {},
-                                defer=defer, grammar=grammar, launch=launch)
+                                defer=defer or later, grammar=grammar, launch=launch)
         span = self._device_span(step.device_start)
+        if later and result.wait is not None:
+            if drafter.launched:
+                return self._read_later(step, batch, result, record, span)
+            result.sampled, result.wait = result.wait(), None
         if result.wait is not None:
             self._pending = provisional(self.requests, batch, result, span)
             if record is not None:
@@ -350,13 +331,30 @@ class ModelRunner:
         if record is not None:
             record.tokens = sum(map(len, result.sampled))
         if propose:
-            self._drafts = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
-                                                result.sampled, self.requests, time.perf_counter() - step.host_start)
+            self._drafts, _ = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
+                                                   result.sampled, self.requests, time.perf_counter() - step.host_start)
         elif self.drafter is not None:
             self.drafter.draft_probs.clear()  # this step's drafts (if any) are verified
         return ModelRunnerOutput(req_ids=list(batch.req_ids), sampled_token_ids=result.sampled,
                                  logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs,
                                  device_span=span() if span is not None else None)
+
+    def _read_later(self, step: ExecutedStep, batch: InputBatch, result: SampleResult, record: StepRecord | None,
+                    span: Callable[[], tuple[float, float]] | None) -> PendingOutput:
+        """A verification whose next proposal was launched from the device, read a step late
+        (:func:`read_later`); its placeholder drafts go to the scheduler now."""
+        observation = None
+
+        def after_read(sampled: list[list[int]]) -> None:
+            self.drafter.observe(observation, batch, sampled)
+            if record is not None:
+                record.tokens = sum(map(len, sampled))
+
+        self._lagging = {rid: None for rid in batch.req_ids}
+        self._pending = read_later(self.requests, self.parts.builder, batch, result, self._lagging, span, after_read)
+        self._drafts, observation = self.drafter.propose(step.plan, batch, step.hidden_states, step.aux_hidden_states,
+                                                         None, self.requests, time.perf_counter() - step.host_start)
+        return self._pending
 
     def _device_span(self, started: torch.cuda.Event | None) -> Callable[[], tuple[float, float]] | None:
         if started is None or self.device_clock is None:

@@ -21,7 +21,7 @@ from specloop.models.parallel import TensorParallel
 from specloop.sampling.structured_outputs import GrammarBitmask
 from .batch import InputBatch
 from .requests import CachedRequestState
-from .runner import Sampler
+from .parts import Sampler
 from .sampling_stage import SampleResult, SamplingStage
 
 

@@ -223,6 +223,8 @@ class Engine:
         options = dict(plugin_options or {})
         if args.host_proposals and self.cuda:
             options["gpu"] = {"device_proposals": False}
+        if args.early_verification and self.cuda:
+            options["gpu"] = {**options.get("gpu", {}), "late_verification": False}
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
                        max_model_len=args.prompt_len + max(output_lengths(args, len(prompts))) + 16,
                        max_num_seqs=batch_size,
@@ -366,6 +368,9 @@ def main() -> None:
     parser.add_argument("--length-zero", action="store_true",
                         help="hold every engine with drafts at speculation length 0 after its warm-up request: "
                              "what a proposer costs when it drafts nothing (speedup ~1 is the aim)")
+    parser.add_argument("--early-verification", action="store_true",
+                        help="plugin_options gpu late_verification=False: read every verification before planning "
+                             "the next step (what reading it a step late gains)")
     parser.add_argument("--host-proposals", action="store_true",
                         help="plugin_options gpu device_proposals=False: propose on the host after reading each "
                              "verification, never launching a proposal from the device (what launching gains)")

@@ -80,6 +80,10 @@ class AttentionBackend(Protocol):
     # K/V (or latents) themselves (``ops.TritonOps``) only do so for that layout, then call
     # :meth:`attend` (or ``attend_latent``).
     kv_layout: str
+    # Whether it reads context lengths only from ``meta.seq_lens`` (the device's), never from the
+    # host's lists: the GPU runner may then prepare a step before the host knows how many drafts
+    # the previous one accepted (the device corrects the lengths). Optional; absent means False.
+    device_lengths: bool
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor."""
@@ -120,6 +124,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     kv_layout = PAGED_KV_LAYOUT
+    device_lengths = False  # reads meta.seq_lens_cpu
 
     def __init__(self, config: Any = None) -> None:
         if getattr(config, "batch_invariant", False):

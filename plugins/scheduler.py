@@ -53,9 +53,9 @@ class FCFSScheduler:
         # Ids the runner must drop, reported in the next plan.
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
-        # Requests of each plan not yet committed, so late output finds the object it was made for.
-        # Requests of each plan not yet committed (and whether the plan samples for them).
-        self._in_flight: dict[int, dict[str, tuple[Request, bool]]] = {}
+        # Requests of each plan not yet committed, so late output finds the object it was made for,
+        # and the placeholders the plan counted for each.
+        self._in_flight: dict[int, dict[str, tuple[Request, int]]] = {}
         self._prompt_tokens: dict[int, int] = {}
         self._num_preemptions = 0
 
@@ -181,7 +181,7 @@ class FCFSScheduler:
         if num_new == 1 and request.spec_token_ids:
             # Drafts only ride on a decode (never inside a prefill chunk), and only as many as can
             # be committed without passing max_model_len.
-            num_new += min(len(request.spec_token_ids), max(self.max_model_len - 1 - request.num_tokens, 0))
+            num_new += min(len(request.spec_token_ids), max(self.max_model_len - 1 - request.num_tokens - pending, 0))
         if 0 < self.long_prefill_threshold < num_new:
             num_new = self.long_prefill_threshold
         return min(num_new, budget)
@@ -215,16 +215,19 @@ class FCFSScheduler:
 
         now = time.monotonic()
         num_prompt_tokens = 0
-        samples: dict[str, tuple[Request, bool]] = {}
+        samples: dict[str, tuple[Request, int]] = {}
         for request in (*scheduled_running, *admitted):
-            n = num_scheduled[request.request_id]
+            rid = request.request_id
+            n = num_scheduled[rid]
             start = request.num_computed_tokens
             num_prompt_tokens += max(min(start + n, request.num_prompt_tokens) - start, 0)
-            # Reaching the end of the known tokens, the step samples one: until it is committed it
-            # is a placeholder the next plan may already build on.
+            # Reaching the end of the known tokens, the step samples one, and one more per draft it
+            # verifies: until they are committed they are placeholders the next plan may already
+            # build on, as if every draft were accepted (the runner pulls it back by the rest).
             sampling = start + n >= request.num_tokens + request.num_output_placeholders
-            request.num_output_placeholders += sampling
-            samples[request.request_id] = (request, sampling)
+            placeholders = sampling * (1 + len(spec_tokens.get(rid, ())))
+            request.num_output_placeholders += placeholders
+            samples[rid] = (request, placeholders)
             # Optimistic: every planned position counts as computed, drafts included, so the plan
             # alone says what the runner will hold after this step; update_from_output rolls back
             # the drafts the target rejects.
@@ -273,10 +276,10 @@ class FCFSScheduler:
         cache_blocks, running = self.kv_cache.cache_blocks, RequestStatus.RUNNING
         num_generated = 0
         for i, (rid, sampled) in enumerate(zip(result.req_ids, result.sampled_token_ids, strict=True)):
-            request, sampling = scheduled.get(rid, (None, False))
+            request, placeholders = scheduled.get(rid, (None, 0))
             if request is None or request.status != running:
                 continue  # aborted (or preempted) while the step ran: drop its output (invariant 9)
-            request.num_output_placeholders -= sampling
+            request.num_output_placeholders -= placeholders
             num_draft = len(spec_tokens[rid]) if spec_tokens and rid in spec_tokens else 0
             num_accepted = 0
             if num_draft:
@@ -347,7 +350,7 @@ class FCFSScheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             # Still inside its prefill: there is no verified last token for drafts to extend.
-            in_prefill = request.num_tokens - request.num_computed_tokens > 1
+            in_prefill = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens > 1
             request.spec_token_ids = [] if in_prefill else list(token_ids)
 
     def make_stats(self) -> SchedulerStats:

@@ -215,7 +215,7 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
-MODES = ("none", "eager", "graphs")
+MODES = ("none", "eager", "graphs", "async")
 
 
 def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16) -> None:
@@ -228,7 +228,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     same output as without drafts. Drafting runs in runs (a scripted policy): after the steps
     without drafts EAGLE-3 and MTP are skipped, then catch up from the states the target's forward
     recorded. EAGLE-3 runs while requests come and go, with a preemption and a
-    sampled request."""
+    sampled request. Mode ``async`` repeats ``graphs`` with asynchronous scheduling: EAGLE-3's and
+    MTP's launched verifications are read a step late, the next step planned as if every draft
+    were accepted and pulled back on the device by the rejected ones."""
     from pathlib import Path
 
     from scripted_policy import Alternating
@@ -255,13 +257,15 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     else:
         batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine, modes, greedy = dict(max_num_seqs=4), MODES, 3
-    outs, drafts, replays, preempted = {}, {}, {}, 0
+        # (The draft model never launches from the device: nothing is read late.)
+        engine, modes, greedy = dict(max_num_seqs=4), MODES[:3] if method == "draft_model" else MODES, 3
+    outs, drafts, replays, preempted, accepted = {}, {}, {}, 0, {}
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
-            captured = eager_captures(monkeypatch) if mode == "graphs" else []
+            captured = eager_captures(monkeypatch) if mode in ("graphs", "async") else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                      max_model_len=64, **engine, speculative_config=None if mode == "none" else spec)
+                      max_model_len=64, **engine, speculative_config=None if mode == "none" else spec,
+                      async_scheduling=mode == "async")
         try:
             if mode != "none":
                 runner = llm.core.runner
@@ -269,7 +273,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
                 runner.drafter.policy = Alternating(on=3, off=2)
                 # the feeds' graph sets, then the chain's, then (EAGLE) the ragged feeds'
-                assert prop.graphs_on is (mode == "graphs")
+                assert prop.graphs_on is (mode in ("graphs", "async"))
                 order = [*prop.feed_graphs.values(), prop.chain, getattr(prop, "ragged", None)]
                 assert captured == ([g for g in order if g is not None] if prop.graphs_on else []), captured
                 seen: list = []
@@ -277,10 +281,14 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 launched = []
                 launch = prop.launch
                 prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
+                late = []
+                verify_later = runner._verify_later
+                runner._verify_later = lambda *a: late.append(1) or verify_later(*a)
             got = llm.generate(batch, params, use_tqdm=False)
             outs[mode] = [o.outputs[0].token_ids for o in got]
             if mode != "none":
                 drafts[mode] = seen
+                accepted[mode] = llm.get_metrics()["spec_num_accepted_tokens"]
             if mode == "graphs":
                 preempted = llm.get_metrics()["num_preemptions"]
                 replays = {"steps": prop.chain.num_replays,
@@ -292,12 +300,17 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                     replays["ragged"] = prop.ragged.num_replays
             elif mode == "eager":
                 assert not any(d is not None for d in launched), (method, mode, "launched")
+            if mode != "none":
+                # Read a step late only with asynchronous scheduling, and then after every launch.
+                assert (len(late) > 0) is (mode == "async" and method != "draft_model"), (method, mode, len(late))
         finally:
             llm.core.shutdown()
     # Greedy outputs are the target's; a sampled one is the same whichever path drafted for it.
     assert all(outs[m][:greedy] == outs["none"][:greedy] and outs[m] == outs["eager"] for m in modes[1:]), outs
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
-    assert all(drafts[m] == drafts["eager"] for m in modes[1:]) and len(drafts["eager"]) > 5, (method, drafts)
+    # (Planned earlier, the asynchronous run's steps group requests differently.)
+    assert all(drafts[m] == drafts["eager"] for m in ("graphs",)) and len(drafts["eager"]) > 5, (method, drafts)
+    assert "async" not in modes or accepted["async"] > 0, accepted
     assert method != "eagle3" or preempted > 0, "the pool never preempted"
     # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
     assert (replays["launched"] > 0) is (method != "draft_model"), replays

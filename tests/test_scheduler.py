@@ -112,6 +112,32 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     assert (r.num_draft_tokens, r.num_accepted_tokens) == (4, 2)
 
 
+def test_a_plan_made_before_a_verification_commits_assumes_every_draft_accepted():
+    # The GPU runner reads a verification a step late: the next plan is made first, with the
+    # placeholder drafts proposed on the device, and the commit rolls back what was rejected.
+    sched = make(num_spec=3, block_size=4)
+    sched.add_request(r := req("r", 5))
+    step(sched)
+    assert (r.num_tokens, r.num_computed_tokens) == (6, 5)
+    sched.update_draft_token_ids(DraftTokenIds(["r"], [[1, 2, 3]]))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"r": 4} and r.num_output_placeholders == 4
+    sched.update_draft_token_ids(DraftTokenIds(["r"], [[-1, -1, -1]]))  # taken before the commit
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"r": 4} and second.scheduled_spec_decode_tokens == {"r": [-1, -1, -1]}
+    assert second.scheduled_running_reqs[0].num_computed_tokens == 9  # after 5 + 4, all accepted
+    assert (r.num_computed_tokens, r.num_output_placeholders) == (13, 8)
+    assert len(sched.kv_cache.get_block_ids("r")) * 4 >= 13 + 3  # the second step's drafts' slots too
+    out = sched.update_from_output(first, ModelRunnerOutput(["r"], [[1, 9]])).outputs[0]
+    assert (out.new_token_ids, out.num_accepted_tokens) == ([1, 9], 1)
+    # Two rejected: the second step really ran from position 7, the next token's.
+    assert (r.num_tokens, r.num_computed_tokens, r.num_output_placeholders) == (8, 11, 4)
+    sched.update_from_output(second, ModelRunnerOutput(["r"], [[5]]))
+    assert (r.num_tokens, r.num_computed_tokens, r.num_output_placeholders) == (9, 8, 0)
+    third = sched.schedule()
+    assert third.num_scheduled_tokens == {"r": 1} and third.scheduled_running_reqs[0].num_computed_tokens == 8
+
+
 def test_running_requests_are_served_before_waiting_ones():
     sched = make(budget=8)
     sched.add_request(req("old", 3))

@@ -71,7 +71,7 @@ class FastSamplingStage:
                grammar: GrammarBitmask | None = None,
                launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
         if self._greedy_verification(batch, requests):
-            return self._verify_greedy(batch, hidden_states, grammar, launch)
+            return self._verify_greedy(batch, hidden_states, grammar, launch, defer)
         if not self.can_defer(batch):
             return self.reference.sample(batch, hidden_states, requests, draft_probs, grammar=grammar)
         result = self._sample_plain(batch, hidden_states, grammar)
@@ -80,9 +80,10 @@ class FastSamplingStage:
         return result
 
     def _verify_greedy(self, batch: InputBatch, hidden_states: torch.Tensor, grammar: GrammarBitmask | None,
-                       launch: Callable[[torch.Tensor], None] | None) -> SampleResult:
+                       launch: Callable[[torch.Tensor], None] | None, defer: bool = False) -> SampleResult:
         """Drafts against the target's argmax; see the module docstring. ``launch`` (the next
-        proposal, fed from the device) runs while the argmax travels to the host."""
+        proposal, fed from the device) runs while the argmax travels to the host. With ``defer``
+        the result's ``wait()`` reads it."""
         num_rows = batch.logits_indices.shape[0]
         with torch.inference_mode():
             logits = self.reference.logits(batch, hidden_states)
@@ -95,17 +96,21 @@ class FastSamplingStage:
                 copied.record()
             if launch is not None:
                 launch(top)
+
+        def wait() -> list[list[int]]:
             if copied is not None:
                 copied.synchronize()
-        values = host.tolist()
-        sampled: list[list[int]] = []
-        for (first, count), drafts in zip(batch.sample_rows, batch.spec_token_ids):
-            target = values[first:first + count]
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-                accepted += 1
-            sampled.append(target[:accepted + 1] if count else [])
-        return SampleResult(sampled, None, {})
+            values = host.tolist()
+            sampled: list[list[int]] = []
+            for (first, count), drafts in zip(batch.sample_rows, batch.spec_token_ids):
+                target = values[first:first + count]
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+                    accepted += 1
+                sampled.append(target[:accepted + 1] if count else [])
+            return sampled
+
+        return SampleResult([], None, {}, wait=wait) if defer else SampleResult(wait(), None, {})
 
     def _apply_grammar(self, batch: InputBatch, logits: torch.Tensor, grammar: GrammarBitmask | None) -> None:
         """In place: the structured rows of ``logits`` (one per sampled row of each constrained

@@ -9,9 +9,11 @@ token straight into the token row, and a proposal launched on the device its dra
 decode step sends no token ids at all, and a verification only the tokens it accepted.
 
 Each step the host fills one pinned int32 buffer, ``[req_slots | starts | qsl | seq_lens |
-sample_req_rows | logits_indices | write_at]``, and copies it to the device in one transfer; the
-``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
-``slot_mapping``. All step tensors have fixed addresses, so CUDA graphs captured on them replay on
+sample_req_rows | logits_indices | write_at | lagged]``, and copies it to the device in one
+transfer; the ``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
+``slot_mapping``. A request ``lagged`` in a step planned before its last verification's outcome
+reached the host is pulled back there by its slot's rejected count (``lag``, written on the device
+by that verification's :meth:`write_proposal`). All step tensors have fixed addresses, so CUDA graphs captured on them replay on
 the live values; rows past the live batch are padding a graph may read (no owner, no KV write).
 ``write_at`` is where a decode graph that samples stores each row's token (a flat index into the
 token rows; rows that sample nothing, and padding, point at the spare slot ``max_reqs``, which no
@@ -71,6 +73,7 @@ class PersistentBatch:
         self.temperature = torch.zeros(max_reqs + 1, dtype=torch.float32, device=device)
         self.min_p = torch.zeros(max_reqs + 1, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(max_reqs + 1, dtype=torch.int64, device=device)
+        self.lag = torch.zeros(max_reqs + 1, **i32)  # drafts the slot's last launched verification rejected
         # --- host bookkeeping (set by add/remove/update) ---
         self.slots: dict[str, int] = {}
         self._free = list(range(max_reqs - 1, -1, -1))
@@ -83,13 +86,15 @@ class PersistentBatch:
         self._block_writes: list[tuple[int, int, list[int]]] = []
         self._param_writes: list[tuple[int, float, float, int]] = []
         # --- one step, at fixed addresses ---
-        self._off = np.cumsum([0, max_reqs, max_reqs, max_reqs + 1, max_reqs, max_tokens, max_tokens, max_reqs])
+        self._off = np.cumsum([0, max_reqs, max_reqs, max_reqs + 1, max_reqs, max_tokens, max_tokens, max_reqs,
+                               max_reqs])
         pinned = device.type == "cuda"
         self._host = torch.zeros(int(self._off[-1]), dtype=torch.int32, pin_memory=pinned)
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(int(self._off[-1]), **i32)
         self.req_slots, self.starts, self.query_start_loc, self.seq_lens, self.sample_req_rows, \
-            self.logits_indices, self.write_at = (self._dev[self._off[k]:self._off[k + 1]] for k in range(7))
+            self.logits_indices, self.write_at, self.lagged = (self._dev[self._off[k]:self._off[k + 1]]
+                                                               for k in range(8))
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -181,9 +186,11 @@ class PersistentBatch:
     # --- one step -------------------------------------------------------------------------------
 
     def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
-                num_splits: int = 0) -> InputBatch:
+                num_splits: int = 0, lagged: Sequence[int] = ()) -> InputBatch:
         """The step's :class:`InputBatch`. With ``pad_to``, batch rows up to it are padding for a
-        CUDA graph of that many requests."""
+        CUDA graph of that many requests. ``lagged``: the batch rows the device pulls back by their
+        rejected count (module docstring); the host's layout keeps the plan's values until the
+        runner learns the counts."""
         lay = BatchLayout.from_plan(plan, requests, self.block_size)
         num_reqs = len(lay.req_ids)
         slots = [self.slots[rid] for rid in lay.req_ids]
@@ -205,19 +212,27 @@ class PersistentBatch:
         host[off[3] + num_reqs:off[3] + rows] = 0
         host[off[4]:off[4] + len(lay.sample_req_rows)] = lay.sample_req_rows
         host[off[5]:off[5] + len(lay.token_rows)] = lay.token_rows
-        if self.draws_in_graph and pad_to and lay.max_query_len == 1:  # where a decode graph puts each row's token
+        draws = self.draws_in_graph and pad_to and lay.max_query_len == 1
+        if draws:  # where a decode graph puts each row's token
             samples = np.fromiter((count == 1 for _, count in lay.sample_rows), dtype=bool, count=num_reqs)
             at = host[off[6]:off[6] + rows]
             at[:] = self.spare * self.max_len
             at[:num_reqs][samples] = (np.asarray(slots, dtype=np.int64)[samples] * self.max_len
                                       + np.asarray(lay.seq_lens, dtype=np.int64)[samples])
-        self._dev.copy_(self._host, non_blocking=True)
+        if lagged:
+            flags = host[off[7]:off[7] + num_reqs]
+            flags[:] = 0
+            flags[list(lagged)] = 1
+        self._dev[:off[7] + (num_reqs if lagged else 0)].copy_(self._host[:off[7] + (num_reqs if lagged else 0)],
+                                                               non_blocking=True)
         torch.index_select(self.block_table, 0, self.req_slots[:num_reqs], out=self.block_tables[:num_reqs])
         if pad_to:
             self.slot_mapping[num_tokens:].fill_(-1)
+        lag = dict(lag=self.lag, lagged=self.lagged[:num_reqs], seq_lens=self.seq_lens[:num_reqs],
+                   write_at=self.write_at[:num_reqs] if draws else None) if lagged else {}
         prepare_inputs(self.tokens, self.block_table, self.req_slots[:num_reqs], self.starts[:num_reqs],
                        self.query_start_loc[:num_reqs + 1], self.block_size,
-                       self.input_ids, self.positions, self.slot_mapping)
+                       self.input_ids, self.positions, self.slot_mapping, **lag)
         meta = GpuAttentionMetadata(
             query_start_loc=self.query_start_loc[:num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],
@@ -230,7 +245,7 @@ class PersistentBatch:
             num_splits=num_splits,
         )
         return InputBatch(lay, self.input_ids[:num_tokens], self.positions[:num_tokens], meta,
-                          self.logits_indices[:len(lay.token_rows)])
+                          self.logits_indices[:len(lay.token_rows)], lagged=list(lagged))
 
     def write_sampled(self, tokens: torch.Tensor) -> None:
         """Store the tokens just sampled, one per entry of ``sample_req_rows``, into their requests'
@@ -240,16 +255,28 @@ class PersistentBatch:
         pos = self.seq_lens.index_select(0, rows).long()
         self.tokens.view(-1).index_copy_(0, slots * self.max_len + pos, tokens.to(torch.int32))
 
-    def write_drafts(self, start: torch.Tensor, drafts: torch.Tensor) -> None:
-        """Drafts proposed on the device for the step's first ``n`` requests (``[n, K]``) into
-        their token rows from position ``start`` (``[n]``, on the device): the next step reads them
-        there, so the host sends none (its copies are placeholders until it reads them)."""
+    def write_proposal(self, first: torch.Tensor, accepted: torch.Tensor, targets: torch.Tensor,
+                       drafts: torch.Tensor) -> None:
+        """A uniform verification of the step's first ``n`` requests, ``q`` rows each from position
+        ``first`` (``[n]``), and the drafts proposed after it on the device (``[n, K]``), all on the
+        device: each request's own next token (``targets[i, accepted[i] - 1]``, ``targets``
+        ``[n, q]``) at ``first + accepted``, then its drafts, into its token row, and ``q -
+        accepted`` (the drafts it rejected) into ``lag``. The next step reads them there, so the
+        host sends none (its copies are placeholders until it reads them)."""
         n, k = drafts.shape
-        base = self.req_slots[:n].long() * self.max_len + start
-        flat = (base[:, None] + torch.arange(k, dtype=torch.int64, device=self.device)).reshape(-1)
-        self.tokens.view(-1).index_copy_(0, flat, drafts.reshape(-1).to(torch.int32))
+        slots = self.req_slots[:n].long()
+        newest = targets.gather(1, (accepted - 1)[:, None])
+        base = slots * self.max_len + first + accepted
+        flat = (base[:, None] + torch.arange(k + 1, dtype=torch.int64, device=self.device)).reshape(-1)
+        self.tokens.view(-1).index_copy_(0, flat, torch.cat([newest, drafts], dim=1).reshape(-1).to(torch.int32))
+        self.lag.index_copy_(0, slots, (targets.shape[1] - accepted).to(torch.int32))
 
     def mark_sampled(self, req_id: str, position: int) -> None:
         """The token at ``position`` was written on the device by :meth:`write_sampled`."""
         self.device_len[req_id] = position + 1
+
+    def mark_on_device(self, req_id: str, length: int) -> None:
+        """The request's first ``length`` tokens (placeholders or not) are on the device."""
+        if req_id in self.device_len:
+            self.device_len[req_id] = length
 

@@ -15,8 +15,10 @@ left in the device token rows; off, it proposes once the host has read the step)
 CUDA, off with ``batch_invariant``, which it cannot be combined with: the target's linear layers run
 ``kernels.gemv`` in one-row steps, cuBLAS in the rest, and the op set fuses a decoder layer's norms
 and activation into them, ``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
-step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only). Any other key is
-refused.
+step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only) and
+``late_verification`` (default on, with asynchronous scheduling and ``device_proposals``: a greedy
+verification whose next proposal launched from the device is read a step late, the next step
+planned as if every draft were accepted, ``backends.pending.read_later``). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, RowPa
 
 from ..distributed import TensorParallelRunner, launch_model_runner
 from ..executor import EagerExecutor
-from ..runner import ModelRunner, RunnerParts
+from ..parts import RunnerParts
+from ..runner import ModelRunner
 from ..sampling_stage import SamplingStage
 from .fast_sampling import FastSamplingStage
 from .graphs import GraphExecutor
@@ -48,7 +51,8 @@ logger = logging.getLogger("specloop")
 class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
-    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling")
+    OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
+               "late_verification")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -60,6 +64,7 @@ class GpuPlatform:
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
         self.device_proposals = bool(opts.get("device_proposals", True))
         self.graph_sampling = bool(opts.get("graph_sampling", True))
+        self.late_verification = bool(opts.get("late_verification", True))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -96,7 +101,7 @@ class GpuPlatform:
                                      sample_in_graph=self.graph_sampling and runner.tp.size == 1)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
-                           write_drafts=batch.write_drafts if self.device_proposals else None)
+                           write_drafts=batch.write_proposal if self.device_proposals else None)
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config

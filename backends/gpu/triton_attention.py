@@ -35,6 +35,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     kv_layout = PAGED_KV_LAYOUT
+    device_lengths = True
 
     # (keys per tile, warps, pipeline stages) tried for decode batches by :meth:`tune_decode`.
     DECODE_CONFIGS = ((64, 4, 2), (128, 4, 2), (32, 4, 2), (128, 8, 2))

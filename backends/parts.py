@@ -1,0 +1,65 @@
+"""The parts a platform composes a model runner from (``backends.runner``): the batch builder
+(packed inputs), the executor (the model's forward) and the sampler, as protocols."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from specloop.kernel.outputs import SchedulerOutput
+from specloop.sampling.structured_outputs import GrammarBitmask
+
+from .batch import InputBatch
+from .drafting import DraftWriter
+from .executor import ForwardOutput, GraphKey
+from .requests import CachedRequestState, PlanChanges
+from .sampling_stage import SampleResult
+
+
+class BatchBuilder(Protocol):
+    def update(self, changes: PlanChanges) -> None: ...
+
+    def mark_on_device(self, req_id: str, length: int) -> None:
+        """The request's first ``length`` tokens are on the device (it wrote them itself)."""
+
+    def prepare(self, plan: SchedulerOutput, requests: dict[str, CachedRequestState], pad_to: int | None = None,
+                num_splits: int = 0, lagged: Sequence[int] = ()) -> InputBatch: ...
+
+
+class Executor(Protocol):
+    kv_caches: list[torch.Tensor]
+    # Whether uniform batches (every request computing the same number of tokens) run faster,
+    # replayed from CUDA graphs: the drafting stage then pads drafts to make them uniform.
+    replays_uniform_batches: bool
+
+    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None: ...
+
+    def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput: ...
+
+    def profile(self, num_tokens: int, num_logit_rows: int, kv_caches: list[torch.Tensor], block_size: int,
+                device: torch.device) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Sampler(Protocol):
+    def forget(self, finished: frozenset[str]) -> None: ...
+
+    def can_defer(self, batch: InputBatch) -> bool:
+        """Whether :meth:`sample` can leave this batch's tokens on the device (``defer=True``)."""
+
+    def sample(self, batch: InputBatch, hidden_states: torch.Tensor, requests: dict[str, CachedRequestState],
+               draft_probs: dict[str, torch.Tensor | None], defer: bool = False, grammar: GrammarBitmask | None = None,
+               launch: Callable[[torch.Tensor], None] | None = None) -> SampleResult: ...
+
+
+@dataclass(slots=True)
+class RunnerParts:
+    builder: BatchBuilder
+    executor: Executor
+    sampler: Sampler
+    # Writes drafts proposed on the device into the builder's device token rows, when it keeps them
+    # there: proposals may then be launched from the device (``DraftingStage.launcher``).
+    write_drafts: DraftWriter | None = None
