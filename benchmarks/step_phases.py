@@ -1,7 +1,8 @@
 """Where an engine step's host time goes, with and without drafts, on the default models.
 
 For each engine (no drafts; then per method: the proposer attached but held at speculation length
-0, fixed K, the adaptive policy) one timed run of ``spec_decode.py``'s workload (held-out prompts,
+0, fixed K, fixed K with every verification read before the next plan (``--early-verification``),
+the adaptive policy) one timed run of ``spec_decode.py``'s workload (held-out prompts,
 every prompt submitted at once with at most ``--batch`` running) with the engine's host phases
 timed by wrapping its methods: the scheduler's ``schedule`` and ``update_from_output``, the
 runner's ``execute_model`` (state update, input preparation, the forward's launch) and
@@ -79,13 +80,13 @@ def main() -> None:
     run_args = argparse.Namespace(
         model=model, draft_model=model + "-draft", prompts="heldout", prompt_len=256, output_len=128, seed=0,
         min_prompts=16, continuous=True, min_rounds=args.min_rounds, gpu_memory_utilization=args.gpu_memory_utilization,
-        batch_invariant=False, length_zero=False, host_proposals=False, device=args.device, ckpt_root=args.ckpt_root,
-        batch_sizes=[args.batch], output_len_spread=args.output_len_spread)
+        batch_invariant=False, length_zero=False, host_proposals=False, early_verification=False, device=args.device,
+        ckpt_root=args.ckpt_root, batch_sizes=[args.batch], output_len_spread=args.output_len_spread)
     from specloop.models.config import read_model_config
 
     prompts = spec_decode.make_prompts(run_args, read_model_config(model).vocab_size)
     prompts = prompts[:spec_decode.num_prompts(run_args, args.batch)]
-    engines: list[tuple[str, dict[str, Any] | None, bool]] = [("no drafts", None, False)]
+    engines: list[tuple[str, dict[str, Any] | None, bool, bool]] = [("no drafts", None, False, False)]
     for method in args.methods.split(","):
         spec: dict[str, Any] = {"method": method, "num_speculative_tokens": args.k}
         if method == "ngram":
@@ -94,12 +95,13 @@ def main() -> None:
             spec["model"] = run_args.draft_model
         elif os.path.isdir(f"{model}-{method}"):
             spec["model"] = f"{model}-{method}"
-        engines += [(f"{method} at length 0", spec, True), (f"{method} K={args.k}", spec, False),
-                    (f"{method} adaptive", dict(spec, policy="adaptive"), False)]
+        engines += [(f"{method} at length 0", spec, True, False), (f"{method} K={args.k}", spec, False, False),
+                    (f"{method} K={args.k}, read early", spec, False, True),
+                    (f"{method} adaptive", dict(spec, policy="adaptive"), False, False)]
     os.makedirs(args.out, exist_ok=True)
     results = {}
-    for name, spec, zero in engines:
-        run_args.length_zero = zero
+    for name, spec, zero, early in engines:
+        run_args.length_zero, run_args.early_verification = zero, early
         engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
         engine.run()  # warm-up: compiles, graph pools, the policy's first probes
         totals = instrument(engine.llm.core)
