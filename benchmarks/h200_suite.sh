@@ -97,7 +97,7 @@ for s in $stages; do
              --min-prompts 2 --repeat "${SPEC_REPEAT:-2}" ${SPEC_ARGS:-} ;;
     phases)  # host time per engine phase, with and without drafts (default models, one batch size)
       stage step_phases "${T_PHASES:-150}" python3 benchmarks/step_phases.py --out "$RES/phases" --device cuda \
-             --batch "${PHASES_BATCH:-32}" --methods "${SPEC_METHODS:-ngram,eagle3}" ;;
+             --batch "${PHASES_BATCH:-32}" --methods "${SPEC_METHODS:-ngram,eagle3}" ${PHASES_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ;;
     mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
