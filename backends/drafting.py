@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -30,10 +30,14 @@ from specloop.proposers.policy import SpeculationPolicy, StepObservation
 from .batch import InputBatch
 from .requests import PLACEHOLDER, CachedRequestState
 
-# Writes a uniform verification's outcome and the drafts launched after it into the device token
-# rows of the step's first ``n`` requests: ``(first [n], accepted [n], targets [n, q], drafts [n, K])``
-# (``PersistentBatch.write_proposal``).
-DraftWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+class DeviceRows(Protocol):
+    """Device token rows a uniform greedy verification's outcome and drafts go to (``PersistentBatch``)."""
+
+    def accept(self, input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int) -> torch.Tensor:
+        """The rows each request accepted; writes its next token and its rejected count."""
+
+    def write_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, positions: torch.Tensor, q: int) -> None:
+        """Each request's drafts after its next token."""
 
 
 @dataclass(slots=True)
@@ -87,17 +91,17 @@ class DraftingStage:
         # Launching proposals from the device (``launcher``): where their drafts go, this step's
         # launch, the last one until its host copy is read, and per request the values its
         # placeholder drafts stand for.
-        self.write_drafts: DraftWriter | None = None
+        self.device_rows: DeviceRows | None = None
         self._launched: DeviceDrafts | None = None  # this step's launch
         self._unread: DeviceDrafts | None = None  # the last step's, until its copy is read
         self._on_device: dict[str, list[int]] = {}  # per request, its placeholders' values
         self._host_drafts: list[torch.Tensor] = []
 
-    def attach(self, executor: object, write_drafts: DraftWriter | None) -> None:
+    def attach(self, executor: object, device_rows: DeviceRows | None) -> None:
         """Pad drafts when the executor replays uniform batches; launch proposals from the device
-        when the platform supplies ``write_drafts`` (one rank: all would have to launch alike)."""
+        when the platform supplies ``device_rows`` (one rank: all would have to launch alike)."""
         self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
-        self.write_drafts = write_drafts if self.config.tensor_parallel_size == 1 else None
+        self.device_rows = device_rows if self.config.tensor_parallel_size == 1 else None
 
     def begin_step(self, plan: SchedulerOutput) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
@@ -183,16 +187,15 @@ class DraftingStage:
         returns placeholders, and :meth:`resolve` their values at the next step."""
         n = len(batch.req_ids)
         q = batch.num_tokens // n if n else 0
-        if (self.write_drafts is None or not self.proposer.launches or grammar is not None or q < 2
+        rows = self.device_rows
+        if (rows is None or not self.proposer.launches or grammar is not None or q < 2
                 or batch.num_tokens != n * q
                 or any(count != q for _, count in batch.sample_rows)
                 or any(requests[rid].sampling_params.structured_outputs is not None for rid in batch.req_ids)):
             return None
 
         def launch(top: torch.Tensor) -> None:
-            targets = top[:n * q].view(n, q)
-            matched = batch.input_ids[:n * q].view(n, q)[:, 1:] == targets[:, :-1]
-            accepted = 1 + matched.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            accepted = rows.accept(batch.input_ids, top[:n * q], batch.positions, q)
             reqs = [requests[rid] for rid in batch.req_ids]
             step = LaunchInputs(list(batch.req_ids), q, np.asarray(batch.layout.starts, dtype=np.int64),
                                 [r.block_ids for r in reqs], top[:n * q], accepted, hidden_states[:n * q],
@@ -201,8 +204,7 @@ class DraftingStage:
             drafts = self.proposer.launch(step)
             if drafts is None:
                 return
-            # The newest token goes to position first + accepted, the drafts after it.
-            self.write_drafts(batch.positions[:n * q].view(n, q)[:, 0], accepted, targets, drafts)
+            rows.write_drafts(drafts, accepted, batch.positions, q)
             if not self._host_drafts:
                 self._host_drafts = [torch.empty((self.config.max_num_seqs, drafts.shape[1]), dtype=torch.int64,
                                                  pin_memory=drafts.is_cuda) for _ in range(2)]
@@ -217,8 +219,7 @@ class DraftingStage:
         return launch
 
     @property
-    def launched(self) -> bool:
-        """Whether this step's proposal was launched from the device (its drafts are placeholders)."""
+    def launched(self) -> bool:  # this step's proposal was launched from the device
         return self._launched is not None
 
     def propose(self, plan: SchedulerOutput, batch: InputBatch, hidden_states: torch.Tensor,

@@ -12,7 +12,7 @@ from specloop.kernel.outputs import SchedulerOutput
 from specloop.sampling.structured_outputs import GrammarBitmask
 
 from .batch import InputBatch
-from .drafting import DraftWriter
+from .drafting import DeviceRows
 from .executor import ForwardOutput, GraphKey
 from .requests import CachedRequestState, PlanChanges
 from .sampling_stage import SampleResult
@@ -60,6 +60,7 @@ class RunnerParts:
     builder: BatchBuilder
     executor: Executor
     sampler: Sampler
-    # Writes drafts proposed on the device into the builder's device token rows, when it keeps them
-    # there: proposals may then be launched from the device (``DraftingStage.launcher``).
-    write_drafts: DraftWriter | None = None
+    # Device-resident token rows that a verification's outcome and drafts proposed on the device go
+    # to, when the builder keeps them: proposals may then be launched from the device
+    # (``DraftingStage.launcher``).
+    device_rows: DeviceRows | None = None

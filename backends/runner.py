@@ -175,7 +175,7 @@ class ModelRunner:
             self.drafter = DraftingStage(proposer, policy, self.config)
         self.parts = self.platform.parts(self)
         if self.drafter is not None:
-            self.drafter.attach(self.parts.executor, self.parts.write_drafts)
+            self.drafter.attach(self.parts.executor, self.parts.device_rows)
         executor = self.parts.executor
         c = self.config
         n = int(min(c.max_num_batched_tokens or 8192, c.max_model_len or 8192))

@@ -12,11 +12,8 @@ With asynchronous scheduling a step launches plan n+1 before it commits plan n: 
 counts the tokens plan n will sample as placeholders and schedules their successors, the runner
 feeds those successors from the device, and the host commits (stop checks, outputs) one step late,
 while the device already computes the next step. A request that stops at step n costs at most one
-wasted token of step n+1, whose output the scheduler drops. A step with drafts (verified or
-proposed) is committed, and its drafts handed over, before the next plan is made, unless the runner
-reads it a step late: a greedy verification whose next drafts were proposed on the device hands
-over placeholder drafts at once, the next plan assumes every draft accepted, and the runner pulls
-it back on the device by the drafts rejected. While grammar-constrained requests
+wasted token of step n+1, whose output the scheduler drops. A step with drafts is committed before the next
+plan unless the runner reads it a step late (that plan assumes every draft accepted). While grammar-constrained requests
 run, plan n is committed right after plan n+1's forward is launched, so that plan n+1's masks see
 plan n's tokens; the host still works while the device computes.
 """
@@ -157,9 +154,7 @@ class EngineCore:
         return outputs
 
     def post_step(self) -> None:
-        # Drafts wait for the plan that proposed them to be committed, unless the next plan may be
-        # made before that (a verification read a step late hands over placeholder drafts).
-        if self.in_flight and not getattr(self.in_flight[-1][1], "overlaps", True):
+        if self.in_flight and not getattr(self.in_flight[-1][1], "overlaps", True):  # drafts wait for the commit
             return
         drafts = self.runner.take_draft_token_ids()
         if drafts is not None:

@@ -334,6 +334,59 @@ def check_token_bitmask(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(got[untouched], logits[untouched])
 
 
+def check_verify(device: str, dtype: torch.dtype) -> None:
+    """A greedy verification's accepted counts, next tokens, rejected counts and drafts written on
+    the device against a torch reference; then the prepare kernel pulling a step planned as if
+    every draft were accepted back by those counts. (Integers only: ``dtype`` is unused.)"""
+    from specloop.kernels.prepare_inputs import prepare_inputs
+    from specloop.kernels.verify import accept, write_drafts
+
+    gen = torch.Generator().manual_seed(0)
+    for q, k in ((4, 3), (2, 1), (3, 5)):
+        n, slots, row_len = 5, 7, 40
+        req_slots = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+        first = torch.randint(0, 20, (n,), generator=gen)
+        positions = (first[:, None] + torch.arange(q)).reshape(-1)
+        top = torch.randint(0, 9, (n * q,), generator=gen)
+        input_ids = torch.randint(0, 9, (n * q,), generator=gen)
+        # Request i's drafts agree with the target for its first i rows (all of them past q - 1).
+        for i in range(n):
+            input_ids[i * q + 1:i * q + 1 + min(i, q - 1)] = top[i * q:i * q + min(i, q - 1)]
+            if i < q - 1:
+                input_ids[i * q + 1 + i] = (top[i * q + i] + 1) % 9
+        tokens = torch.randint(0, 9, (slots, row_len), generator=gen, dtype=torch.int32)
+        lag = torch.zeros(slots, dtype=torch.int32)
+        drafts = torch.randint(100, 200, (n, k), generator=gen)
+        want_tokens, want_lag = tokens.clone(), lag.clone()
+        want_accepted = torch.tensor([min(i, q - 1) + 1 for i in range(n)])
+        for i in range(n):
+            a, s = int(want_accepted[i]), int(req_slots[i])
+            at = int(first[i]) + a
+            want_tokens[s, at] = int(top[i * q + a - 1])
+            want_tokens[s, at + 1:at + 1 + k] = drafts[i].to(torch.int32)
+            want_lag[s] = q - a
+        accepted = accept(input_ids.to(device), top.to(device), positions.to(device), q, req_slots.to(device),
+                          tokens, lag)
+        write_drafts(drafts, accepted, positions, q, req_slots, tokens)
+        assert torch.equal(accepted, want_accepted), (q, accepted, want_accepted)
+        assert torch.equal(tokens, want_tokens) and torch.equal(lag, want_lag), (q, k)
+        # The next step, planned as if each accepted all q rows, for requests 0, 2, 4 (flagged).
+        lagged = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32)
+        starts = (first + q).to(torch.int32)
+        seq_lens = starts + q
+        qsl = torch.arange(n + 1, dtype=torch.int32) * q
+        table = torch.arange(slots * 4, dtype=torch.int32).view(slots, 4)
+        ids, pos, slot_mapping = (torch.zeros(n * q, dtype=torch.int64) for _ in range(3))
+        back = lagged * lag[req_slots.long()]
+        want_starts, want_lens = starts - back, seq_lens - back
+        prepare_inputs(tokens, table, req_slots, starts, qsl, 16, ids, pos, slot_mapping, lag=lag, lagged=lagged,
+                       seq_lens=seq_lens)
+        assert torch.equal(starts, want_starts) and torch.equal(seq_lens, want_lens), (q, starts, want_starts)
+        want_pos = (want_starts.long()[:, None] + torch.arange(q)).reshape(-1)
+        assert torch.equal(pos, want_pos)
+        assert torch.equal(ids, tokens[req_slots.long().repeat_interleave(q), want_pos].long())
+
+
 def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, max_tv: float = 0.03) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=gen) * 2
@@ -385,6 +438,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.moe_route as route
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
+    import specloop.kernels.verify as verify
     import specloop.kernels.qk_rope_cache as qk_rope
     import specloop.kernels.rms_norm as rms_norm_mod
     import specloop.kernels.rotary as rotary
@@ -446,6 +500,13 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             i32 = torch.zeros(4, dtype=torch.int32)
             prepare.prepare_inputs(torch.zeros(4, 64, dtype=torch.int32), torch.zeros(4, 4, dtype=torch.int32), i32,
                                    i32, torch.zeros(5, dtype=torch.int32), 16, *torch.zeros(3, 64, dtype=torch.int64))
+            prepare.prepare_inputs(torch.zeros(4, 64, dtype=torch.int32), torch.zeros(4, 4, dtype=torch.int32), i32,
+                                   i32, torch.zeros(5, dtype=torch.int32), 16, *torch.zeros(3, 64, dtype=torch.int64),
+                                   lag=i32, lagged=i32, seq_lens=i32, write_at=i32)
+            ids64 = torch.zeros(16, dtype=torch.int64)
+            accepted = verify.accept(ids64, ids64, ids64, 4, i32, torch.zeros(4, 64, dtype=torch.int32), i32)
+            verify.write_drafts(torch.zeros(4, 3, dtype=torch.int64), accepted, ids64, 4, i32,
+                                torch.zeros(4, 64, dtype=torch.int32))
             qkv = torch.randn(4, 32 * 128, dtype=dtype)
             cos, sin = rope_tables(64, 128, 1e6)
             rotary.rotary_embedding(qkv[:, :2048].view(4, 16, 128), qkv[:, 2048:3072].view(4, 8, 128),
@@ -525,6 +586,7 @@ ALL_CHECKS = {
     "skinny_linear": check_skinny_linear,
     **mla_moe_checks.CHECKS,
     "token_bitmask": check_token_bitmask,
+    "verify": check_verify,
 }
 
 

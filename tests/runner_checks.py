@@ -218,7 +218,7 @@ def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int
 MODES = ("none", "eager", "graphs", "async")
 
 
-def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16) -> None:
+def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 16, read_late: bool = False) -> None:
     """The greedy graph paths of a proposer (EAGLE-3 and MTP: the whole proposal of a uniform step,
     its first step over every target row, after a verification launched from the device with the
     drafts left there and read a step late; the draft model: its first step over its newest one or
@@ -228,9 +228,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     same output as without drafts. Drafting runs in runs (a scripted policy): after the steps
     without drafts EAGLE-3 and MTP are skipped, then catch up from the states the target's forward
     recorded. EAGLE-3 runs while requests come and go, with a preemption and a
-    sampled request. Mode ``async`` repeats ``graphs`` with asynchronous scheduling: EAGLE-3's and
-    MTP's launched verifications are read a step late, the next step planned as if every draft
-    were accepted and pulled back on the device by the rejected ones."""
+    sampled request, and again in mode ``async``: ``graphs`` with asynchronous scheduling, its
+    launched verifications read a step late, the next step planned as if every draft were accepted
+    and pulled back on the device by the rejected ones."""
     from pathlib import Path
 
     from scripted_policy import Alternating
@@ -257,8 +257,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     else:
         batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        # (The draft model never launches from the device: nothing is read late.)
-        engine, modes, greedy = dict(max_num_seqs=4), MODES[:3] if method == "draft_model" else MODES, 3
+        # Reading late runs with EAGLE-3 above (the draft model never launches from the device).
+        engine, modes, greedy = dict(max_num_seqs=4), MODES if read_late else MODES[:3], 3
     outs, drafts, replays, preempted, accepted = {}, {}, {}, 0, {}
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
@@ -282,8 +282,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 launch = prop.launch
                 prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
                 late = []
-                verify_later = runner._verify_later
-                runner._verify_later = lambda *a: late.append(1) or verify_later(*a)
+                read_later = runner._read_later
+                runner._read_later = lambda *a: late.append(1) or read_later(*a)
             got = llm.generate(batch, params, use_tqdm=False)
             outs[mode] = [o.outputs[0].token_ids for o in got]
             if mode != "none":
@@ -302,7 +302,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 assert not any(d is not None for d in launched), (method, mode, "launched")
             if mode != "none":
                 # Read a step late only with asynchronous scheduling, and then after every launch.
-                assert (len(late) > 0) is (mode == "async" and method != "draft_model"), (method, mode, len(late))
+                assert (len(late) > 0) is (mode == "async"), (method, mode, len(late))
         finally:
             llm.core.shutdown()
     # Greedy outputs are the target's; a sampled one is the same whichever path drafted for it.

@@ -35,7 +35,7 @@ def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
                                    "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route",
-                                   "token_bitmask"])
+                                   "token_bitmask", "verify"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")
 

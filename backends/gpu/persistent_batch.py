@@ -13,7 +13,7 @@ sample_req_rows | logits_indices | write_at | lagged]``, and copies it to the de
 transfer; the ``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
 ``slot_mapping``. A request ``lagged`` in a step planned before its last verification's outcome
 reached the host is pulled back there by its slot's rejected count (``lag``, written on the device
-by that verification's :meth:`write_proposal`). All step tensors have fixed addresses, so CUDA graphs captured on them replay on
+by that verification's :meth:`accept`). All step tensors have fixed addresses, so CUDA graphs captured on them replay on
 the live values; rows past the live batch are padding a graph may read (no owner, no KV write).
 ``write_at`` is where a decode graph that samples stores each row's token (a flat index into the
 token rows; rows that sample nothing, and padding, point at the spare slot ``max_reqs``, which no
@@ -30,6 +30,7 @@ import torch
 
 from specloop.kernel.outputs import SchedulerOutput
 from specloop.kernel.sampling_params import SamplingParams
+from specloop.kernels import verify
 from specloop.kernels.prepare_inputs import prepare_inputs
 
 from ..batch import BatchLayout, InputBatch
@@ -255,21 +256,19 @@ class PersistentBatch:
         pos = self.seq_lens.index_select(0, rows).long()
         self.tokens.view(-1).index_copy_(0, slots * self.max_len + pos, tokens.to(torch.int32))
 
-    def write_proposal(self, first: torch.Tensor, accepted: torch.Tensor, targets: torch.Tensor,
-                       drafts: torch.Tensor) -> None:
-        """A uniform verification of the step's first ``n`` requests, ``q`` rows each from position
-        ``first`` (``[n]``), and the drafts proposed after it on the device (``[n, K]``), all on the
-        device: each request's own next token (``targets[i, accepted[i] - 1]``, ``targets``
-        ``[n, q]``) at ``first + accepted``, then its drafts, into its token row, and ``q -
-        accepted`` (the drafts it rejected) into ``lag``. The next step reads them there, so the
-        host sends none (its copies are placeholders until it reads them)."""
-        n, k = drafts.shape
-        slots = self.req_slots[:n].long()
-        newest = targets.gather(1, (accepted - 1)[:, None])
-        base = slots * self.max_len + first + accepted
-        flat = (base[:, None] + torch.arange(k + 1, dtype=torch.int64, device=self.device)).reshape(-1)
-        self.tokens.view(-1).index_copy_(0, flat, torch.cat([newest, drafts], dim=1).reshape(-1).to(torch.int32))
-        self.lag.index_copy_(0, slots, (targets.shape[1] - accepted).to(torch.int32))
+    def accept(self, input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int) -> torch.Tensor:
+        """A uniform greedy verification of the step's first ``n = len(top) // q`` requests, ``q``
+        rows each (``input_ids``, ``positions``: the step's), against the target's tokens ``top``:
+        the rows each accepted (``[n]``, on the device). Writes each request's own next token after
+        them into its token row and the drafts it rejected into ``lag`` (``kernels.verify``)."""
+        n = top.shape[0] // q
+        return verify.accept(input_ids, top, positions, q, self.req_slots[:n], self.tokens, self.lag)
+
+    def write_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, positions: torch.Tensor, q: int) -> None:
+        """Drafts proposed on the device after :meth:`accept` (``[n, K]``) into the token rows
+        after each request's next token: the next step reads them there, so the host sends none
+        (its copies are placeholders until it reads them)."""
+        verify.write_drafts(drafts, accepted, positions, q, self.req_slots, self.tokens)
 
     def mark_sampled(self, req_id: str, position: int) -> None:
         """The token at ``position`` was written on the device by :meth:`write_sampled`."""

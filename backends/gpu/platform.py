@@ -101,7 +101,7 @@ class GpuPlatform:
                                      sample_in_graph=self.graph_sampling and runner.tp.size == 1)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
-                           write_drafts=batch.write_proposal if self.device_proposals else None)
+                           device_rows=batch if self.device_proposals else None)
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
