@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,16 +28,8 @@ from specloop.proposers.base import DraftProposal, LaunchInputs, Proposer, Propo
 from specloop.proposers.policy import SpeculationPolicy, StepObservation
 
 from .batch import InputBatch
+from .parts import DeviceRows
 from .requests import PLACEHOLDER, CachedRequestState
-
-class DeviceRows(Protocol):
-    """Device token rows a uniform greedy verification's outcome and drafts go to (``PersistentBatch``)."""
-
-    def accept(self, input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int) -> torch.Tensor:
-        """The rows each request accepted; writes its next token and its rejected count."""
-
-    def write_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, positions: torch.Tensor, q: int) -> None:
-        """Each request's drafts after its next token."""
 
 
 @dataclass(slots=True)

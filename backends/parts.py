@@ -1,5 +1,6 @@
-"""The parts a platform composes a model runner from (``backends.runner``): the batch builder
-(packed inputs), the executor (the model's forward) and the sampler, as protocols."""
+"""The parts a platform composes a model runner from (``backends.runner``), as protocols: the batch
+builder (packed inputs; on the GPU also the device token rows a verification's outcome goes to),
+the executor (the model's forward) and the sampler."""
 
 from __future__ import annotations
 
@@ -12,10 +13,19 @@ from specloop.kernel.outputs import SchedulerOutput
 from specloop.sampling.structured_outputs import GrammarBitmask
 
 from .batch import InputBatch
-from .drafting import DeviceRows
 from .executor import ForwardOutput, GraphKey
 from .requests import CachedRequestState, PlanChanges
 from .sampling_stage import SampleResult
+
+
+class DeviceRows(Protocol):
+    """Device token rows a uniform greedy verification's outcome and drafts go to (``PersistentBatch``)."""
+
+    def accept(self, input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int) -> torch.Tensor:
+        """The rows each request accepted; writes its next token and its rejected count."""
+
+    def write_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, positions: torch.Tensor, q: int) -> None:
+        """Each request's drafts after its next token."""
 
 
 class BatchBuilder(Protocol):
