@@ -458,7 +458,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, route, matmul, gemv)
+               moe, route, matmul, gemv, verify)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -504,8 +504,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                    i32, torch.zeros(5, dtype=torch.int32), 16, *torch.zeros(3, 64, dtype=torch.int64),
                                    lag=i32, lagged=i32, seq_lens=i32, write_at=i32)
             ids64 = torch.zeros(16, dtype=torch.int64)
-            accepted = verify.accept(ids64, ids64, ids64, 4, i32, torch.zeros(4, 64, dtype=torch.int32), i32)
-            verify.write_drafts(torch.zeros(4, 3, dtype=torch.int64), accepted, ids64, 4, i32,
+            verify.accept(ids64, ids64, ids64, 4, i32, torch.zeros(4, 64, dtype=torch.int32), i32)
+            verify.write_drafts(torch.zeros(4, 3, dtype=torch.int64), ids64[:4], ids64, 4, i32,
                                 torch.zeros(4, 64, dtype=torch.int32))
             qkv = torch.randn(4, 32 * 128, dtype=dtype)
             cos, sin = rope_tables(64, 128, 1e6)

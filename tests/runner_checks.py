@@ -259,7 +259,7 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         # Reading late runs with EAGLE-3 above (the draft model never launches from the device).
         engine, modes, greedy = dict(max_num_seqs=4), MODES if read_late else MODES[:3], 3
-    outs, drafts, replays, preempted, accepted = {}, {}, {}, 0, {}
+    outs, drafts, replays, preempted, accepted, at = {}, {}, {}, 0, {}, {}
     for mode in modes:
         with pytest.MonkeyPatch.context() as monkeypatch:
             captured = eager_captures(monkeypatch) if mode in ("graphs", "async") else []
@@ -277,7 +277,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 order = [*prop.feed_graphs.values(), prop.chain, getattr(prop, "ragged", None)]
                 assert captured == ([g for g in order if g is not None] if prop.graphs_on else []), captured
                 seen: list = []
-                runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen)
+                at[mode] = {}
+                runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen, at[mode])
                 launched = []
                 launch = prop.launch
                 prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
@@ -308,9 +309,17 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     # Greedy outputs are the target's; a sampled one is the same whichever path drafted for it.
     assert all(outs[m][:greedy] == outs["none"][:greedy] and outs[m] == outs["eager"] for m in modes[1:]), outs
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
-    # (Planned earlier, the asynchronous run's steps group requests differently.)
     assert all(drafts[m] == drafts["eager"] for m in ("graphs",)) and len(drafts["eager"]) > 5, (method, drafts)
-    assert "async" not in modes or accepted["async"] > 0, accepted
+    if "async" in modes:
+        # Planned earlier, the asynchronous run groups requests into steps differently, and its
+        # policy alternates over other steps: the drafts verified at the same request and position
+        # (the greedy ones: a sampled request's draw depends on the step) are the same.
+        greedy = {str(i) for i, p in enumerate(params if isinstance(params, list) else [params] * len(batch))
+                  if p.temperature == 0}  # LLM.generate numbers its requests from "0"
+        common = [key for key in at["async"] if key in at["eager"] and key[0] in greedy]
+        assert len(common) >= len(at["async"]) // 3 and accepted["async"] > 0, (len(common), len(at["async"]))
+        differ = [(key, at["async"][key], at["eager"][key]) for key in common if at["async"][key] != at["eager"][key]]
+        assert not differ, differ
     assert method != "eagle3" or preempted > 0, "the pool never preempted"
     # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
     assert (replays["launched"] > 0) is (method != "draft_model"), replays
@@ -367,12 +376,15 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     assert m["spec_num_drafts"] > 30 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
 
 
-def _recording(sample: Any, seen: list) -> Any:
+def _recording(sample: Any, seen: list, at: dict | None = None) -> Any:
     """``sample`` that records the drafts of each step that verifies some (values only: a
-    placeholder left here would fail the comparison)."""
+    placeholder left here would fail the comparison), and in ``at`` by (request, first position)."""
     def wrapped(batch: Any, *args: Any, **kwargs: Any) -> Any:
         if any(batch.spec_token_ids):
             seen.append([list(d) for d in batch.spec_token_ids])
+            if at is not None:
+                at.update(((rid, start), list(d)) for rid, start, d in
+                          zip(batch.req_ids, batch.layout.starts, batch.spec_token_ids) if d)
         return sample(batch, *args, **kwargs)
     return wrapped
 
