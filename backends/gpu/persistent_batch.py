@@ -13,11 +13,11 @@ sample_req_rows | logits_indices | write_at | lagged]``, and copies it to the de
 transfer; the ``prepare_inputs`` kernel then writes the packed ``input_ids``, ``positions`` and
 ``slot_mapping``. A request ``lagged`` in a step planned before its last verification's outcome
 reached the host is pulled back there by its slot's rejected count (``lag``, written on the device
-by that verification's :meth:`accept`). All step tensors have fixed addresses, so CUDA graphs captured on them replay on
-the live values; rows past the live batch are padding a graph may read (no owner, no KV write).
-``write_at`` is where a decode graph that samples stores each row's token (a flat index into the
-token rows; rows that sample nothing, and padding, point at the spare slot ``max_reqs``, which no
-request owns).
+by that verification's :meth:`accept`). All step tensors have fixed addresses, so CUDA graphs
+captured on them replay on the live values; rows past the live batch are padding a graph may
+read (no owner, no KV write). ``write_at`` is where a decode graph that samples stores each row's
+token (a flat index into the token rows; rows that sample nothing, and padding, point at the spare
+slot ``max_reqs``, which no request owns).
 """
 
 from __future__ import annotations
@@ -278,4 +278,3 @@ class PersistentBatch:
         """The request's first ``length`` tokens (placeholders or not) are on the device."""
         if req_id in self.device_len:
             self.device_len[req_id] = length
-
