@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--output-len-spread", type=float, default=0.0,
                         help="per-prompt output lengths, as spec_decode.py --output-len-spread")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--engines", default="", help="run only the engines whose name contains one of "
+                        "these comma-separated words (the engine without drafts always runs)")
     args = parser.parse_args()
     model = os.path.join(spec_decode.ROOT, "default_models", "specloop-tiny")
     run_args = argparse.Namespace(
@@ -98,6 +100,9 @@ def main() -> None:
         engines += [(f"{method} at length 0", spec, True, False), (f"{method} K={args.k}", spec, False, False),
                     (f"{method} K={args.k}, read early", spec, False, True),
                     (f"{method} adaptive", dict(spec, policy="adaptive"), False, False)]
+    if args.engines:
+        words = args.engines.split(",")
+        engines = [e for e in engines if e[1] is None or any(w in e[0] for w in words)]
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for name, spec, zero, early in engines:
@@ -119,7 +124,8 @@ def main() -> None:
             engine.run()
             profile.disable()
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+            for order in ("cumulative", "tottime"):
+                pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
             with open(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.txt"), "w") as f:
                 f.write(text.getvalue())
         engine.llm.core.shutdown()
