@@ -6,7 +6,8 @@ the adaptive policy) one timed run of ``spec_decode.py``'s workload (held-out pr
 every prompt submitted at once with at most ``--batch`` running) with the engine's host phases
 timed by wrapping its methods: the scheduler's ``schedule`` and ``update_from_output``, the
 runner's ``execute_model`` (state update, input preparation, the forward's launch) and
-``sample_tokens`` (the sampler, the proposal), the commit. Reported per engine: wall ms a step and
+``sample_tokens`` (the sampler, the proposal), the commit; within them the verification's logits,
+a launched proposal's parts, and every CUDA graph replay. Reported per engine: wall ms a step and
 each phase's ms a step, averaged over the run (a phase that waits for the device counts its wait),
 and the run's step times by speculation length (``spec_decode.StepTimes``). With ``--profile``,
 a cProfile of one more run of each engine goes to ``--out``.
@@ -36,6 +37,12 @@ PHASES = {  # label: (object path from the engine core, method)
     "update_states": ("runner", "update_states"), "prepare_inputs": ("runner", "prepare_inputs"),
     "forward": ("runner", "forward"), "sample": ("runner.parts.sampler", "sample"),
     "sample_tokens": ("runner", "sample_tokens"), "propose": ("runner.drafter", "propose"),
+    # parts of the above, where a proposal is launched from the device
+    "logits": ("runner.parts.sampler.reference", "logits"), "resolve": ("runner.drafter", "resolve"),
+    "accept": ("runner.parts.device_rows", "accept"), "launch": ("runner.drafter.proposer", "launch"),
+    "fill_gaps": ("runner.drafter.proposer.recorded", "fill_gaps"),
+    "write_drafts": ("runner.parts.device_rows", "write_drafts"),
+    "placeholders": ("runner.drafter", "_placeholders"),
 }
 
 
@@ -61,6 +68,15 @@ def instrument(core: Any) -> dict[str, list[float]]:
             obj = getattr(obj, part, None)
         if obj is not None:
             setattr(obj, name, timed(totals, label, getattr(obj, name)))
+    proposer = getattr(getattr(core.runner, "drafter", None), "proposer", None)
+    for feed in getattr(proposer, "feed_graphs", {}).values():  # a head's first-step / proposal graphs
+        feed.run = timed(totals, "feed graphs run", feed.run)
+    import torch
+
+    graph = torch.cuda.CUDAGraph
+    replay = getattr(graph, "_untimed_replay", graph.replay)
+    graph._untimed_replay = replay
+    graph.replay = timed(totals, "graph replays", replay)  # every engine's, from here on
     return totals
 
 

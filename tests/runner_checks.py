@@ -390,15 +390,18 @@ def _recording(sample: Any, seen: list, at: dict | None = None) -> Any:
 
 
 def _main() -> None:
-    """``runner_checks.py VARIANT,...``: the runner checks; ``runner_checks.py drafts``: the
-    proposers' graph paths and the acceptance-controlled proposer on the launched path (two
-    processes, each within the test's time limit)."""
+    """``runner_checks.py VARIANT,...``: the runner checks; ``runner_checks.py drafts[:NAME,...]``:
+    the proposers' graph paths (eagle3, mtp, draft_model) and the acceptance-controlled proposer on
+    the launched path (controlled), all of them or those named."""
     import sys
 
-    if sys.argv[1] == "drafts":
-        for method in ("eagle3", "mtp", "draft_model"):
-            check_draft_graphs_match_eager("cpu", method)
-        check_controlled_launch_follows_alpha("cpu")
+    if sys.argv[1].startswith("drafts"):  # drafts[:eagle3,mtp,draft_model,controlled]
+        _, _, which = sys.argv[1].partition(":")
+        for name in (which or "eagle3,mtp,draft_model,controlled").split(","):
+            if name == "controlled":
+                check_controlled_launch_follows_alpha("cpu")
+            else:
+                check_draft_graphs_match_eager("cpu", name)
         print("ok drafts")
         return
     for variant in sys.argv[1].split(","):

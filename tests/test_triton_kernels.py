@@ -22,15 +22,38 @@ pytest.importorskip("triton")
 CHECKS = Path(__file__).with_name("kernel_checks.py")
 
 
-def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str = "", timeout: int = 300) -> None:
+def _env(interpret: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+    return env
+
+
+def _run(*args: str, interpret: bool = True, script: Path = CHECKS, expect: str = "", timeout: int = 300) -> None:
+    proc = subprocess.run([sys.executable, str(script), *args], env=_env(interpret), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (expect or f"ok {args[0]}") in proc.stdout
+
+
+def _run_together(*runs: tuple[str, str], script: Path, timeout: int = 900) -> None:
+    """Each ``(argument, expected line)`` as a child process of ``script``, all at once (the
+    interpreter keeps one core busy each), every one checked."""
+    procs = [(subprocess.Popen([sys.executable, str(script), arg], env=_env(True), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True), expect) for arg, expect in runs]
+    failures = []
+    for proc, expect in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failures.append(f"{expect!r}: timed out after {timeout} s\n{out[-2000:]}{err[-2000:]}")
+            continue
+        if proc.returncode != 0 or expect not in out:
+            failures.append(f"{expect!r}: exit {proc.returncode}\n{out[-3000:]}{err[-3000:]}")
+    assert not failures, "\n\n".join(failures)
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
@@ -64,8 +87,8 @@ def test_draft_graph_paths_under_interpreter() -> None:
     # read a step late (EAGLE-3 through admissions, a preemption and a sampled request; with
     # asynchronous scheduling the verification itself read a step late), and the
     # acceptance-controlled proposer wrapping EAGLE-3 on that path accepting at alpha.
-    _run("drafts", script=CHECKS.with_name("runner_checks.py"), expect="ok drafts", timeout=900)
-
+    _run_together(("drafts:eagle3", "ok drafts"), ("drafts:mtp,draft_model,controlled", "ok drafts"),
+                  script=CHECKS.with_name("runner_checks.py"))
 
 
 def test_batch_invariant_mode_under_interpreter() -> None:
