@@ -99,10 +99,14 @@ class InputBatch:
     precomputed_logits: torch.Tensor | None = field(default=None)
     # Each row's plain draw, when a decode graph drew them (``backends.gpu.graphs``).
     presampled: torch.Tensor | None = field(default=None)
+    # Each row's greedy token (the argmax of its logits), when a verification graph took it.
+    greedy: torch.Tensor | None = field(default=None)
     # Rows of requests whose last verification's outcome the plan did not know yet: it assumed every
     # draft accepted, the device pulled their starts back by the rejected counts, and the runner
     # does the same to ``layout`` once it reads them (``ModelRunner._rebase``).
     lagged: list[int] = field(default_factory=list)
+    # Request rows prepared on the device, padding for a CUDA graph included (0: not on the device).
+    rows: int = 0
 
     @property
     def req_ids(self) -> list[str]:

@@ -94,6 +94,8 @@ class DraftingStage:
         when the platform supplies ``device_rows`` (one rank: all would have to launch alike)."""
         self.pad_drafts = getattr(executor, "replays_uniform_batches", False)
         self.device_rows = device_rows if self.config.tensor_parallel_size == 1 else None
+        if self.proposer.launches:
+            self.proposer.device_step = self.device_rows
 
     def begin_step(self, plan: SchedulerOutput) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
@@ -187,16 +189,20 @@ class DraftingStage:
             return None
 
         def launch(top: torch.Tensor) -> None:
-            accepted = rows.accept(batch.input_ids, top[:n * q], batch.positions, q)
             reqs = [requests[rid] for rid in batch.req_ids]
-            step = LaunchInputs(list(batch.req_ids), q, np.asarray(batch.layout.starts, dtype=np.int64),
-                                [r.block_ids for r in reqs], top[:n * q], accepted, hidden_states[:n * q],
-                                tuple(a[:n * q] for a in aux_hidden_states), [r.token_ids for r in reqs],
-                                [r.num_prompt_tokens for r in reqs], batch.spec_token_ids)
+            step = LaunchInputs(
+                list(batch.req_ids), q, np.asarray(batch.layout.starts, dtype=np.int64), [r.block_ids for r in reqs],
+                top[:n * q], hidden_states[:n * q],
+                accept_rows=lambda: rows.accept(batch.input_ids, top[:n * q], batch.positions, q),
+                aux_hidden_states=tuple(a[:n * q] for a in aux_hidden_states),
+                device=rows if top.data_ptr() == getattr(rows, "top", top).data_ptr() else None, rows=batch.rows,
+                token_ids=[r.token_ids for r in reqs], num_prompt_tokens=[r.num_prompt_tokens for r in reqs],
+                drafts=batch.spec_token_ids)
             drafts = self.proposer.launch(step)
             if drafts is None:
                 return
-            rows.write_drafts(drafts, accepted, batch.positions, q)
+            if not step.drafts_written:
+                rows.write_drafts(drafts, step.accept(), batch.positions, q)
             if not self._host_drafts:
                 self._host_drafts = [torch.empty((self.config.max_num_seqs, drafts.shape[1]), dtype=torch.int64,
                                                  pin_memory=drafts.is_cuda) for _ in range(2)]

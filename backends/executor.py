@@ -43,6 +43,7 @@ class ForwardOutput:
     aux_hidden_states: list[torch.Tensor]  # the residual stream entering each tapped layer
     logits: torch.Tensor | None = None  # [T, V] float32 of every live row, when a graph computed them
     sampled: torch.Tensor | None = None  # [T] int64: each row's draw, when a decode graph drew them
+    greedy: torch.Tensor | None = None  # [T] int64: each row's argmax, when a verification graph took it
 
 
 class EagerExecutor:

@@ -10,6 +10,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
+from specloop.proposers.base import DeviceStep
 from specloop.sampling.structured_outputs import GrammarBitmask
 
 from .batch import InputBatch
@@ -18,8 +19,9 @@ from .requests import CachedRequestState, PlanChanges
 from .sampling_stage import SampleResult
 
 
-class DeviceRows(Protocol):
-    """Device token rows a uniform greedy verification's outcome and drafts go to (``PersistentBatch``)."""
+class DeviceRows(DeviceStep, Protocol):
+    """Device token rows a uniform greedy verification's outcome and drafts go to (``PersistentBatch``);
+    as a :class:`DeviceStep`, the step's tensors a proposal graph reads."""
 
     def accept(self, input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int) -> torch.Tensor:
         """The rows each request accepted; writes its next token and its rejected count."""

@@ -263,6 +263,7 @@ class ModelRunner:
         out = self.parts.executor.run(batch, key)
         batch.precomputed_logits = out.logits
         batch.presampled = out.sampled
+        batch.greedy = out.greedy
         return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ request's device token row at ``first + accepted`` and the number of drafts it r
 slot's ``lag``; :func:`write_drafts` then writes the ``K`` drafts proposed after it at
 ``first + accepted + 1 ..``. The next step reads both there, so no token crosses to the device
 (``backends.gpu.persistent_batch``). Each replaces a dozen small torch ops and their host dispatch.
+Writes past a token row's end are dropped: the padding rows of a CUDA graph (their slot the spare
+one) may hold any position.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _accept_kernel(input_ids_ptr, top_ptr, positions_ptr, req_slots_ptr, tokens_
     newest = tl.load(top_ptr + i * Q + accepted - 1)
     slot = tl.load(req_slots_ptr + i).to(tl.int64)
     first = tl.load(positions_ptr + i * Q)
-    tl.store(tokens_ptr + slot * row_len + first + accepted, newest.to(tl.int32))
+    tl.store(tokens_ptr + slot * row_len + first + accepted, newest.to(tl.int32), mask=first + accepted < row_len)
     tl.store(lag_ptr + slot, (Q - accepted).to(tl.int32))
     tl.store(accepted_ptr + i, accepted.to(tl.int64))
 
@@ -43,7 +45,7 @@ def _write_drafts_kernel(drafts_ptr, accepted_ptr, positions_ptr, req_slots_ptr,
     drafts = tl.load(drafts_ptr + i * K + k, mask=k < K, other=0)
     slot = tl.load(req_slots_ptr + i).to(tl.int64)
     start = tl.load(positions_ptr + i * Q) + tl.load(accepted_ptr + i) + 1
-    tl.store(tokens_ptr + slot * row_len + start + k, drafts.to(tl.int32), mask=k < K)
+    tl.store(tokens_ptr + slot * row_len + start + k, drafts.to(tl.int32), mask=(k < K) & (start + k < row_len))
 
 
 def accept(input_ids: torch.Tensor, top: torch.Tensor, positions: torch.Tensor, q: int, req_slots: torch.Tensor,

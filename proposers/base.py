@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import numpy as np
 
@@ -139,6 +139,30 @@ def draft_limits(config: EngineConfig, inputs: ProposerInputs, k: int) -> np.nda
     return np.clip(room, 0, k)
 
 
+class DeviceStep(Protocol):
+    """A uniform greedy verification's tensors at fixed addresses (the GPU runner's persistent
+    batch), for a proposal graph captured once and replayed after every such step: its first
+    ``size`` request rows of ``q`` tokens each (rows past the live ones are padding whose writes
+    go nowhere), the target's greedy token after each row in ``top``. Device work only, so that
+    a graph can capture it."""
+
+    top: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max blocks] int32
+
+    def accept_rows(self, size: int, q: int) -> torch.Tensor:
+        """The rows each request accepted (``[size]`` int64); writes its next token after them
+        into its token row and the drafts it rejected into its lag."""
+
+    def writable(self, size: int) -> torch.Tensor:
+        """Positions each request's KV blocks hold (``[size]`` int64)."""
+
+    def write_row_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, q: int) -> None:
+        """Each request's drafts (``[size, K]``) into its token row after its next token."""
+
+
 @dataclass(slots=True)
 class LaunchInputs:
     """A uniform greedy verification step as :meth:`Proposer.launch` sees it, before the host has
@@ -152,15 +176,31 @@ class LaunchInputs:
     # On the device: the target's greedy token after each row, and the rows each request accepted
     # (its drafts up to the first the target disagreed with, plus one), so request ``i``'s newest
     # token is ``target_tokens[i * q + accepted[i] - 1]`` at position ``first[i] + accepted[i]``.
+    # ``accept()`` computes them once (writing each request's next token into its device token row)
+    # unless a proposal graph did (``device``), and sets ``accepted``.
     target_tokens: torch.Tensor  # [B * q] int64
-    accepted: torch.Tensor  # [B] int64
     hidden_states: torch.Tensor  # [B * q, H] final states
+    accept_rows: Callable[[], torch.Tensor]
+    accepted: torch.Tensor | None = None  # [B] int64
     aux_hidden_states: tuple[torch.Tensor, ...] = ()  # one [B * q, H] per hidden_state_layers
+    # The step on the device at fixed addresses, ``rows`` request rows of it prepared (padding for
+    # the target's graph included): a proposal graph captured on ``device`` reads them and does the
+    # bookkeeping itself, accepting and writing its drafts into the token rows
+    # (``drafts_written``); otherwise the runner writes the drafts ``launch`` returns.
+    device: DeviceStep | None = None
+    rows: int = 0
+    drafts_written: bool = False
     # On the host: each request's tokens before this step (its newest last), its prompt length, and
     # the drafts this step verifies.
     token_ids: list[list[int]] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+
+    def accept(self) -> torch.Tensor:
+        """The rows each request accepted, computed on the first call."""
+        if self.accepted is None:
+            self.accepted = self.accept_rows()
+        return self.accepted
 
 
 class Proposer(ABC):
@@ -189,6 +229,9 @@ class Proposer(ABC):
     # Implements launch: its greedy proposal can start from device tensors, before the host reads
     # the verification.
     launches: bool = False
+    # Set by the runner before ``initialize`` when it launches proposals from the device: the
+    # step tensors a launching proposer's graphs may read (``LaunchInputs.device``).
+    device_step: DeviceStep | None = None
     # Implements record: the target's forward hands it every row's hidden states as it computes
     # them (inside the target's CUDA graphs too), so a proposer whose cache is built from them can
     # skip steps and catch up later from what it recorded (``catches_up``).

@@ -25,6 +25,7 @@ import torch
 
 from specloop.models.attention import AttentionMetadata
 
+from .base import DeviceStep, LaunchInputs
 from .step_graphs import StepFn, StepGraphs, capture_sizes, graph_sizes
 
 
@@ -140,20 +141,72 @@ class ProposalGraphs(StepGraphs):
     newest accepted row, that output's greedy token (``argmax``) and drafts ``2 .. K`` of
     :func:`chain_steps` (``step``). A call packs each request's accepted row count (from the host,
     or already on the device) with the feed's inputs and replays once; outputs are the first
-    step's rows and the ``[n, K]`` drafts."""
+    step's rows and the ``[n, K]`` drafts.
+
+    Given ``source`` (the runner's :class:`~specloop.proposers.base.DeviceStep`), a second graph
+    per request count takes every input from the verification step itself, at its fixed addresses:
+    the accepted rows (computed in the graph, which writes each request's next token into its
+    device token row), the target's tokens, positions, cache slots, context lengths and block
+    tables, then the proposal, then the drafts into the token rows. A launch after such a step
+    (:meth:`launch`) copies nothing in and launches nothing but the replay."""
 
     ROWS = 5  # + per request: the rows it accepted, its writable slots
 
     def __init__(self, fn: StepFn, step: StepFn, argmax: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  max_reqs: int, max_len: int, block_size: int, num_steps: int,
                  extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = (), rows_per_req: int = 1,
-                 pool: object = None) -> None:
+                 pool: object = None, source: DeviceStep | None = None) -> None:
         super().__init__(fn, device, max_reqs, max_len, block_size, extra=extra, rows_per_req=rows_per_req, pool=pool)
         self._step, self._argmax = weakref.WeakMethod(step), weakref.WeakMethod(argmax)
         self.num_steps = num_steps
         n = max(self.sizes)
         self.chain_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._first_rows = torch.arange(0, n * self.q, self.q, dtype=torch.int64, device=device)
+        self.source = source if not extra else None  # extra per-row inputs come from the host
+        self.device_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.device_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # drafts [size, K], accepted
+        self.num_device_replays = 0
+
+    def capture(self) -> None:
+        super().capture()
+        if self.source is not None:
+            capture_sizes(self, lambda size: None, self.device_forward,
+                          f"proposals fed from the device after {self.q}-row verifications",
+                          into=(self.device_graphs, self.device_outputs))
+
+    def device_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a device-fed graph runs: the bookkeeping and the proposal over the first ``size``
+        request rows of ``source``. Returns the drafts and the accepted rows."""
+        src, q, rows = self.source, self.q, size * self.q
+        accepted = src.accept_rows(size, q)
+        self.token_ids[:rows].copy_(src.top[:rows])
+        self._packed[0, :rows].copy_(src.positions[:rows])
+        self._packed[1, :rows].copy_(src.slot_mapping[:rows])
+        self._packed[3, :size].copy_(accepted)
+        self._packed[4, :size].copy_(src.writable(size))
+        self.seq_lens[:size].copy_(src.seq_lens[:size])
+        width = min(self.max_blocks, src.block_tables.shape[1])
+        self.block_tables[:size, :width].copy_(src.block_tables[:size, :width])
+        drafts = self.forward(size)[1]
+        src.write_row_drafts(drafts, accepted, q)
+        return drafts, accepted
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor:
+        """The drafts (``[n, K]`` on the device, valid until the next call) after ``step``: from
+        the device-fed graph when ``step`` is ``source``'s and prepared at least as many request rows
+        as that graph reads (its drafts then written, ``step.drafts_written``), else from the host's
+        copies (:meth:`propose`)."""
+        n = len(step.req_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        graph = self.device_graphs.get(size)
+        if graph is not None and step.device is self.source and step.rows >= size:
+            graph.replay()
+            self.num_replays += 1
+            self.num_device_replays += 1
+            drafts, accepted = self.device_outputs[size]
+            step.accepted, step.drafts_written = accepted[:n], True
+            return drafts[:n]
+        return self.propose(step.target_tokens, step.first, step.block_ids, step.accept())[1][:n]
 
     def forward(self, size: int) -> tuple[torch.Tensor, ...]:
         out = super().forward(size)[0]
@@ -219,11 +272,13 @@ def take_drafts(rows: list[list[int]], live: list[int], limits: np.ndarray, draf
 def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int, block_size: int,
                   num_speculative_tokens: int, extra: Sequence[tuple[tuple[int, ...], torch.dtype]],
                   pool: object = None, step: StepFn | None = None,
-                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[int, StepGraphs]:
+                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  source: DeviceStep | None = None) -> dict[int, StepGraphs]:
     """The first-step graphs of a head-like proposer, by rows per request: ``q = 1 .. K + 1`` (one
     plus the padded draft count of a decode or verification step), each for as many requests as
     the step's token budget allows, all in one memory pool. Given ``step`` and ``argmax`` they are
-    :class:`ProposalGraphs`, the whole greedy proposal in each."""
+    :class:`ProposalGraphs`, the whole greedy proposal in each (fed from ``source`` too after a
+    verification, ``q >= 2``)."""
     max_reqs = config.max_num_seqs
     budget = config.max_num_batched_tokens or max_reqs * (num_speculative_tokens + 1)
     feeds: dict[int, StepGraphs] = {}
@@ -233,7 +288,7 @@ def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int
         common = dict(extra=extra, rows_per_req=q, pool=pool)
         if step is not None and argmax is not None:
             graphs = ProposalGraphs(fn, step, argmax, device, min(max_reqs, budget // q), max_len, block_size,
-                                    num_speculative_tokens - 1, **common)
+                                    num_speculative_tokens - 1, source=source if q > 1 else None, **common)
         else:
             graphs = StepGraphs(fn, device, min(max_reqs, budget // q), max_len, block_size, **common)
         graphs.capture()

@@ -88,6 +88,7 @@ class ControlledProposer(Proposer):
         drafts = self.inner.launch(step)
         if drafts is None:
             return None
+        step.drafts_written = False  # the runner writes the controlled drafts instead
         k = drafts.shape[1]
         rows = np.zeros((len(step.req_ids), k), dtype=np.int64)
         for i, rid in enumerate(step.req_ids):

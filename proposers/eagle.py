@@ -108,7 +108,7 @@ class EagleProposer(Proposer):
             max_len = (c.max_model_len or 2048) + self.num_speculative_tokens + 1
             self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size,
                                              self.num_speculative_tokens, [], step=self._step,
-                                             argmax=self._argmax)
+                                             argmax=self._argmax, source=self.device_step)
             if self.num_speculative_tokens > 1:
                 self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size,
                                          self.num_speculative_tokens - 1, hidden, pool=last_pool(self.feed_graphs))
@@ -161,7 +161,7 @@ class EagleProposer(Proposer):
         with torch.inference_mode():
             if not self.recorded.fill_gaps(step, first, self._catch_up):
                 return None
-            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
+            drafts = feed.launch(step)
         self.recorded.launched(step.req_ids, first)
         return drafts
 

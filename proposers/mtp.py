@@ -124,7 +124,8 @@ class MTPProposer(Proposer):
         # A one-layer checkpoint's greedy proposal replays whole (ProposalGraphs).
         one = self.num_layers == 1
         self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [],
-                                         step=self._step if one else None, argmax=self._first_argmax if one else None)
+                                         step=self._step if one else None, argmax=self._first_argmax if one else None,
+                                         source=self.device_step)
         if self.num_layers == 1 and k > 1:
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1, hidden,
                                      pool=last_pool(self.feed_graphs))
@@ -155,7 +156,7 @@ class MTPProposer(Proposer):
         with torch.inference_mode():
             if not self.recorded.fill_gaps(step, first, self._catch_up):
                 return None
-            drafts = feed.propose(step.target_tokens, step.first, step.block_ids, step.accepted)[1][:n]
+            drafts = feed.launch(step)
         self.recorded.launched(step.req_ids, first)
         return drafts
 

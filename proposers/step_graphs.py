@@ -43,10 +43,12 @@ def graph_sizes(max_reqs: int) -> list[int]:
 
 
 def capture_sizes(graphs: Any, prepare: Callable[[int], Any], forward: Callable[[int], Any],
-                  what: str) -> None:
+                  what: str, into: tuple[dict, dict] | None = None) -> None:
     """Capture ``forward(size)`` into ``graphs.graphs[size]`` (its outputs into
-    ``graphs.outputs[size]``) for every size, largest first, all in ``graphs.pool`` (a new pool if
-    None), after ``prepare(size)`` and one warm-up run outside the graph."""
+    ``graphs.outputs[size]``; or the two dicts ``into``) for every size, largest first, all in
+    ``graphs.pool`` (a new pool if None), after ``prepare(size)`` and one warm-up run outside the
+    graph."""
+    captured, outputs = into or (graphs.graphs, graphs.outputs)
     pool = graphs.pool
     for size in sorted(graphs.sizes, reverse=True):
         graph = torch.cuda.CUDAGraph()
@@ -55,12 +57,12 @@ def capture_sizes(graphs: Any, prepare: Callable[[int], Any], forward: Callable[
             forward(size)  # warm-up outside the graph
             torch.cuda.synchronize(graphs.device)
             with torch.cuda.graph(graph, pool=pool):
-                graphs.outputs[size] = forward(size)
+                outputs[size] = forward(size)
         pool = graph.pool()
-        graphs.graphs[size] = graph
+        captured[size] = graph
     graphs.pool = pool
     torch.cuda.synchronize(graphs.device)
-    logger.info("captured %d CUDA graphs of %s (up to %d requests)", len(graphs.graphs), what, max(graphs.sizes))
+    logger.info("captured %d CUDA graphs of %s (up to %d requests)", len(captured), what, max(graphs.sizes))
 
 
 class StepGraphs:

@@ -16,16 +16,18 @@ class _EagerReplay:
     share a memory pool, where a graph's replay may overwrite the outputs of any graph captured
     after it (their memory was its scratch space at capture): the replay poisons those first."""
 
-    def __init__(self, graphs: Any, size: int, forward: Any, captured: list) -> None:
+    def __init__(self, graphs: Any, size: int, forward: Any, captured: list, outputs: dict | None = None) -> None:
         self.graphs, self.size, self.forward, self.captured = graphs, size, forward, captured
+        self.outputs = graphs.outputs if outputs is None else outputs
 
     def replay(self) -> None:
         for later in self.captured[self.captured.index(self.graphs) + 1:]:
-            for outs in later.outputs.values():
-                for out in outs if isinstance(outs, tuple) else (outs,):
-                    out.fill_(-(2 ** 40) if not out.is_floating_point() else float("nan"))
+            for kept in (later.outputs, getattr(later, "device_outputs", {})):
+                for outs in kept.values():
+                    for out in outs if isinstance(outs, tuple) else (outs,):
+                        out.fill_(-(2 ** 40) if not out.is_floating_point() else float("nan"))
         with torch.inference_mode():
-            self.graphs.outputs[self.size] = self.forward(self.graphs, self.size)
+            self.outputs[self.size] = self.forward(self.graphs, self.size)
 
 
 def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
@@ -43,7 +45,14 @@ def eager_captures(monkeypatch: Any) -> list:
         captured.append(graphs)
         graphs.graphs = {size: _EagerReplay(graphs, size, forward, captured) for size in graphs.sizes}
 
+    def capture_proposals(graphs: Any) -> None:  # and those fed from the device, as one graph set
+        capture(graphs, _step_forward)
+        if graphs.source is not None:
+            graphs.device_graphs = {size: _EagerReplay(graphs, size, lambda g, s: g.device_forward(s), captured,
+                                                       graphs.device_outputs) for size in graphs.sizes}
+
     monkeypatch.setattr(step_graphs.StepGraphs, "capture", lambda g: capture(g, _step_forward))
+    monkeypatch.setattr(chain_graphs.ProposalGraphs, "capture", capture_proposals)
     monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
     monkeypatch.setattr(feed_graphs.FeedGraphs, "capture", lambda g: capture(g, _step_forward))
     for module in (draft_model, eagle, mtp):

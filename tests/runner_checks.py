@@ -294,7 +294,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 preempted = llm.get_metrics()["num_preemptions"]
                 replays = {"steps": prop.chain.num_replays,
                            **{f"feed q={q}": g.num_replays for q, g in prop.feed_graphs.items()},
-                           "launched": sum(d is not None for d in launched)}
+                           "launched": sum(d is not None for d in launched),
+                           "fed from the device": sum(getattr(g, "num_device_replays", 0)
+                                                      for g in prop.feed_graphs.values())}
                 if method != "draft_model":
                     replays["skipped"] = prop.recorded.skips
                 if getattr(prop, "ragged", None) is not None:
@@ -321,8 +323,10 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
         differ = [(key, at["async"][key], at["eager"][key]) for key in common if at["async"][key] != at["eager"][key]]
         assert not differ, differ
     assert method != "eagle3" or preempted > 0, "the pool never preempted"
-    # After a uniform verification EAGLE-3 and MTP launch their proposal from the device.
+    # After a uniform verification EAGLE-3 and MTP launch their proposal from the device, in one
+    # graph that reads the step's own tensors.
     assert (replays["launched"] > 0) is (method != "draft_model"), replays
+    assert (replays["fed from the device"] > 0) is (method != "draft_model"), replays
     # The draft model feeds two tokens after a step that accepted every draft; the heads and MTP
     # feed all K + 1 = 4 rows of a verification step.
     assert replays["steps"] > 0 and replays["feed q=2" if method == "draft_model" else "feed q=4"] > 0, replays

@@ -9,7 +9,8 @@ reads them there), and one small copy brings them to the host.
 A batch that verifies drafts with every request plain and greedy takes the argmax of every sampled
 row on the device and one copy of those ids to the host, where each request keeps its drafts up to
 the first that differs from the target's token, plus that token: what the rejection sampler does
-for greedy rows, without its per-row metadata and kernel launches. The next proposal may be
+for greedy rows, without its per-row metadata and kernel launches. A verification graph may have
+taken that argmax already (``batch.greedy``). The next proposal may be
 launched from those ids on the device while they travel (``launch``, from the drafting stage).
 
 Both paths take structured outputs' grammar masks: the step's packed bitmask goes to the device
@@ -86,9 +87,12 @@ class FastSamplingStage:
         the result's ``wait()`` reads it."""
         num_rows = batch.logits_indices.shape[0]
         with torch.inference_mode():
-            logits = self.reference.logits(batch, hidden_states)
-            self._apply_grammar(batch, logits, grammar)
-            top = logits.argmax(dim=-1)
+            if batch.greedy is not None and grammar is None and num_rows == batch.num_tokens:
+                top = batch.greedy[:num_rows]  # the verification graph took the argmax
+            else:
+                logits = self.reference.logits(batch, hidden_states)
+                self._apply_grammar(batch, logits, grammar)
+                top = torch.argmax(logits, dim=-1, out=self.batch.top[:num_rows])
             host = self._next_host_buffer(num_rows)
             host.copy_(top, non_blocking=True)
             copied = torch.cuda.Event() if top.is_cuda else None

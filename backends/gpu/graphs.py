@@ -10,7 +10,10 @@ proposer taps), plus, when ``q = 1``, the logits of every row and (``sample_in_g
 draw by the fast sampler's kernel with the row's slot parameters, stored into its token row at
 ``write_at`` (``PersistentBatch``): a plain decode step then launches no sampling work of its own
 (``FastSamplingStage``), and a step that needs another draw (min-p, a grammar mask, penalties,
-logprobs) draws again over it. A live batch of ``B`` requests replays
+logprobs) draws again over it. A verification graph (``q > 1``) whose rows fit the logits buffer
+(as many as the largest decode graph's) computes every row's logits and their argmax too: a greedy
+verification then launches nothing before its bookkeeping, a sampled one starts from the logits.
+A live batch of ``B`` requests replays
 the smallest graph of at least ``B`` requests; the rows past ``B`` are padding that owns no tokens
 and writes no KV.
 
@@ -75,6 +78,7 @@ class GraphExecutor:
             if 1 in q_lens else None
         self.sampled = torch.zeros(max(self.sizes), dtype=torch.int64, device=batch.device) \
             if sample_in_graph and self.logits is not None else None
+        self.greedy = batch.top if self.logits is not None and max(q_lens) > 1 else None
         batch.draws_in_graph = self.sampled is not None
         # (q, padded requests) of the uniform graphs; (0, padded tokens) of the ragged ones
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -155,15 +159,21 @@ class GraphExecutor:
             self.hidden[:tokens].copy_(hidden)
             for buffer, tapped in zip(self.aux, aux):
                 buffer[:tokens].copy_(tapped)
-            if q == 1 and self.logits is not None:
+            if self._with_logits(q, size):
                 self.logits[:tokens].copy_(model.compute_logits(hidden))
-                if self.sampled is not None:
+                if q > 1:
+                    torch.argmax(self.logits[:tokens], dim=-1, out=self.greedy[:tokens])
+                elif self.sampled is not None:
                     slots = pb.req_slots[:size]
                     drawn = gumbel_sample(self.logits[:size], pb.temperature.index_select(0, slots),
                                           pb.seeds.index_select(0, slots), pb.seq_lens[:size].long(),
                                           out=self.sampled[:size])
                     pb.tokens.view(-1).index_copy_(0, pb.write_at[:size].long(), drawn.to(torch.int32))
         return run
+
+    def _with_logits(self, q: int, size: int) -> bool:
+        """Whether the uniform graph of ``size`` requests of ``q`` tokens computes their logits."""
+        return q > 0 and self.logits is not None and q * size <= self.logits.shape[0]
 
     def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
         """The graph for this plan: the uniform one of its q and size, else the ragged one of its
@@ -189,6 +199,8 @@ class GraphExecutor:
         self.num_replays += 1
         self.num_ragged_replays += not key.q
         n = batch.num_tokens
-        logits = self.logits[:n] if key.q == 1 and self.logits is not None else None
+        with_logits = self._with_logits(key.q, key.size)
+        logits = self.logits[:n] if with_logits else None
         sampled = self.sampled[:n] if key.q == 1 and self.sampled is not None else None
-        return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits, sampled)
+        greedy = self.greedy[:n] if with_logits and key.q > 1 else None
+        return ForwardOutput(self.hidden[:n], [a[:n] for a in self.aux], logits, sampled, greedy)

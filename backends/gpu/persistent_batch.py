@@ -75,6 +75,7 @@ class PersistentBatch:
         self.min_p = torch.zeros(max_reqs + 1, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(max_reqs + 1, dtype=torch.int64, device=device)
         self.lag = torch.zeros(max_reqs + 1, **i32)  # drafts the slot's last launched verification rejected
+        self.num_blocks = torch.zeros(max_reqs + 1, **i32)  # block-table entries the slot's request holds
         # --- host bookkeeping (set by add/remove/update) ---
         self.slots: dict[str, int] = {}
         self._free = list(range(max_reqs - 1, -1, -1))
@@ -97,6 +98,7 @@ class PersistentBatch:
             self.logits_indices, self.write_at, self.lagged = (self._dev[self._off[k]:self._off[k + 1]]
                                                                for k in range(8))
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.top = torch.zeros(max_tokens, dtype=torch.int64, device=device)  # a verification's argmax per row
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_reqs, self.max_blocks, **i32)
@@ -175,6 +177,10 @@ class PersistentBatch:
                 raise ValueError(f"a request outgrew the device batch ({int(cols.max()) + 1} > {target.shape[1]})")
             flat = send(rows * target.shape[1] + cols, torch.int64, self.device)
             target.view(-1).index_copy_(0, flat, send(vals, torch.int32, self.device))
+            if target is self.block_table:  # each slot's count after its last write
+                counts = {slot: start + len(ids) for slot, start, ids in writes}
+                self.num_blocks.index_copy_(0, send(list(counts), torch.int64, self.device),
+                                            send(list(counts.values()), torch.int32, self.device))
             writes.clear()
         if self._param_writes:
             slots, temps, min_ps, seeds = zip(*self._param_writes)
@@ -206,6 +212,7 @@ class PersistentBatch:
                              f"({self.max_tokens} / {self.max_reqs})")
         host, off = self._host_np, self._off
         host[off[0]:off[0] + num_reqs] = slots
+        host[off[0] + num_reqs:off[0] + rows] = self.spare  # padding rows' writes go nowhere
         host[off[1]:off[1] + num_reqs] = lay.starts
         host[off[2]:off[2] + num_reqs + 1] = lay.query_start_loc
         host[off[2] + num_reqs + 1:off[2] + rows + 1] = num_tokens  # padding requests own no tokens
@@ -246,7 +253,7 @@ class PersistentBatch:
             num_splits=num_splits,
         )
         return InputBatch(lay, self.input_ids[:num_tokens], self.positions[:num_tokens], meta,
-                          self.logits_indices[:len(lay.token_rows)], lagged=list(lagged))
+                          self.logits_indices[:len(lay.token_rows)], lagged=list(lagged), rows=rows)
 
     def write_sampled(self, tokens: torch.Tensor) -> None:
         """Store the tokens just sampled, one per entry of ``sample_req_rows``, into their requests'
@@ -269,6 +276,23 @@ class PersistentBatch:
         after each request's next token: the next step reads them there, so the host sends none
         (its copies are placeholders until it reads them)."""
         verify.write_drafts(drafts, accepted, positions, q, self.req_slots, self.tokens)
+
+    # --- a launched proposal's graph (proposers.base.DeviceStep): the step's first ``size`` rows ---
+
+    def accept_rows(self, size: int, q: int) -> torch.Tensor:
+        """:meth:`accept` over the step's first ``size`` request rows (padding included) against
+        ``top``, where the sampler or the verification graph put the target's tokens."""
+        rows = size * q
+        return self.accept(self.input_ids[:rows], self.top[:rows], self.positions[:rows], q)
+
+    def writable(self, size: int) -> torch.Tensor:
+        """Positions the blocks of each of the first ``size`` request rows hold (int64; 0 for
+        padding)."""
+        return self.num_blocks.index_select(0, self.req_slots[:size]).long() * self.block_size
+
+    def write_row_drafts(self, drafts: torch.Tensor, accepted: torch.Tensor, q: int) -> None:
+        """:meth:`write_drafts` for the first ``len(drafts)`` request rows."""
+        self.write_drafts(drafts, accepted, self.positions[:drafts.shape[0] * q], q)
 
     def mark_sampled(self, req_id: str, position: int) -> None:
         """The token at ``position`` was written on the device by :meth:`write_sampled`."""
