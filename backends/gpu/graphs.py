@@ -11,7 +11,8 @@ draw by the fast sampler's kernel with the row's slot parameters, stored into it
 ``write_at`` (``PersistentBatch``): a plain decode step then launches no sampling work of its own
 (``FastSamplingStage``), and a step that needs another draw (min-p, a grammar mask, penalties,
 logprobs) draws again over it. A verification graph (``q > 1``) whose rows fit the logits buffer
-(as many as the largest decode graph's) computes every row's logits and their argmax too: a greedy
+(as many as the largest decode graph's, and at least ``LOGIT_ROWS``) computes every row's logits
+and their argmax too: a greedy
 verification then launches nothing before its bookkeeping, a sampled one starts from the logits.
 A live batch of ``B`` requests replays
 the smallest graph of at least ``B`` requests; the rows past ``B`` are padding that owns no tokens
@@ -57,6 +58,7 @@ class GraphExecutor:
     """The eager executor plus captured graphs, keyed by (q, padded request count)."""
 
     replays_uniform_batches = True
+    LOGIT_ROWS = 64  # verification graphs of up to this many tokens compute their logits (at least)
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
                  vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True,
@@ -74,7 +76,9 @@ class GraphExecutor:
         dtype = next(eager.model.parameters()).dtype
         self.hidden = torch.zeros(self.max_tokens, hidden_size, dtype=dtype, device=batch.device)
         self.aux = [torch.zeros_like(self.hidden) for _ in eager.aux_layers]
-        self.logits = torch.zeros(max(self.sizes), vocab_size, dtype=torch.float32, device=batch.device) \
+        # Every row of the largest decode graph, and of verification graphs up to LOGIT_ROWS tokens.
+        rows = max(max(self.sizes), min(self.max_tokens, self.LOGIT_ROWS))
+        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=batch.device) \
             if 1 in q_lens else None
         self.sampled = torch.zeros(max(self.sizes), dtype=torch.int64, device=batch.device) \
             if sample_in_graph and self.logits is not None else None
