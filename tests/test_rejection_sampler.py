@@ -339,7 +339,7 @@ def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
     torch.manual_seed(0)
     vocab, greedy = 50, SamplingParams(temperature=0.0)
     stage = FastSamplingStage(SamplingStage(torch.nn.Identity(), vocab, torch.device("cpu")),
-                              SimpleNamespace(device=torch.device("cpu")), 64)
+                              SimpleNamespace(device=torch.device("cpu"), top=torch.zeros(64, dtype=torch.int64)), 64)
     masked_rows = 0
     for trial in range(40):
         counts, specs, rows, masks, masked = [], [], [], [], []
@@ -368,7 +368,9 @@ def test_fast_greedy_verification_matches_the_rejection_sampler() -> None:
         firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         batch = SimpleNamespace(precomputed_logits=raw, logits_indices=torch.arange(raw.shape[0]),
                                 num_tokens=raw.shape[0], sample_rows=list(zip(firsts, counts)),
-                                spec_token_ids=specs, req_ids=[f"r{r}" for r in range(5)])
+                                spec_token_ids=specs, req_ids=[f"r{r}" for r in range(5)],
+                                # half the time, the argmax a verification graph would have taken
+                                greedy=raw.argmax(-1) if trial % 2 else None)
         grammar = GrammarBitmask([rid for rid, _ in masked], [n for _, n in masked],
                                  torch.cat(masks).numpy()) if masks else None
         masked_rows += sum(n for _, n in masked)
