@@ -94,6 +94,7 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
     draft_replays = graphs.num_replays if graphs is not None else None
     feeds = getattr(runner.drafter.proposer, "feed_graphs", {})
     feed_replays = sum(g.num_replays for g in feeds.values())
+    device_fed = sum(getattr(g, "num_device_replays", 0) for g in feeds.values())
     _close(llm)
     assert metrics["spec_num_accepted_tokens"] > 0, f"{method} never had a draft accepted"
     for i, (a, b) in enumerate(zip(got, reference)):
@@ -105,6 +106,8 @@ def test_greedy_output_is_unchanged_by_drafts(method: str, batch: list, referenc
         assert feed_replays, f"{method}: no first drafting step (the feed of the target's rows) replayed a graph"
         # After a uniform verification the whole proposal is launched from the device.
         assert sum(launched) > 10, f"{method}: proposals never launched from the device"
+        # ... in the graph that reads the verification's own tensors (no host inputs).
+        assert device_fed > 10, f"{method}: {device_fed} proposals fed from the device"
 
 
 def _counting(launch, launched: list):
