@@ -111,6 +111,9 @@ def load_medusa(path: str, target_hidden: int, target_vocab: int, device: torch.
 
 class MedusaProposer(Proposer):
     needs_hidden_states = True
+    # Stateless: a proposal reads only the newest token's hidden state, so the runner may skip the
+    # call in steps that draft nothing (and those steps overlap the next).
+    catches_up = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
