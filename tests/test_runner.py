@@ -273,6 +273,34 @@ def test_gpu_runner_options_are_checked() -> None:
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}}, batch_invariant=True))
 
 
+def test_the_device_batch_knows_the_blocks_each_request_holds() -> None:
+    # A proposal graph launched after a verification writes its drafts' KV only where a request
+    # holds blocks: the persistent batch keeps each slot's count on the device, through added,
+    # grown and reused slots; padding rows (the spare slot) hold none.
+    from specloop import SamplingParams
+    from specloop.backends.gpu.persistent_batch import PersistentBatch
+    from specloop.backends.requests import CachedRequestState
+
+    batch = PersistentBatch(max_reqs=4, max_len=64, block_size=4, max_tokens=64, device=torch.device("cpu"))
+
+    def state(rid: str, blocks: list[int]) -> CachedRequestState:
+        return CachedRequestState(rid, [1, 2, 3], [1, 2, 3], 3, SamplingParams(), blocks, 0, 0)
+
+    a, b = state("a", [3, 4]), state("b", [7])
+    batch.add(a)
+    batch.add(b)
+    batch.flush_writes()
+    b.block_ids = [7, 8, 9]
+    batch.update_running(b)
+    slot_a = batch.slots["a"]
+    batch.remove("a")
+    batch.add(state("c", [1]))
+    batch.flush_writes()
+    assert batch.slots["c"] == slot_a  # a reused slot: its count is the new request's
+    batch.req_slots[:3] = torch.tensor([batch.slots["b"], batch.slots["c"], batch.spare], dtype=torch.int32)
+    assert batch.writable(3).tolist() == [12, 4, 0]
+
+
 def test_target_graphs_are_chosen_by_shape() -> None:
     # The GPU runner's graph executor (no capture here: the keys it would replay): a uniform batch
     # takes the graph of its q and the smallest padded size that holds it; any other step the
