@@ -195,7 +195,8 @@ class DraftingStage:
                 top[:n * q], hidden_states[:n * q],
                 accept_rows=lambda: rows.accept(batch.input_ids, top[:n * q], batch.positions, q),
                 aux_hidden_states=tuple(a[:n * q] for a in aux_hidden_states),
-                device=rows if top.data_ptr() == getattr(rows, "top", top).data_ptr() else None, rows=batch.rows,
+                # the step's tensors at fixed addresses, when the sampler left the argmax where they are
+                device=rows if top.data_ptr() == rows.top.data_ptr() else None, rows=batch.rows,
                 token_ids=[r.token_ids for r in reqs], num_prompt_tokens=[r.num_prompt_tokens for r in reqs],
                 drafts=batch.spec_token_ids)
             drafts = self.proposer.launch(step)
