@@ -147,6 +147,8 @@ class DeviceStep(Protocol):
     a graph can capture it."""
 
     top: torch.Tensor  # [T] int64
+    tokens: torch.Tensor  # [slots, max_len] int32: each request slot's token row
+    req_slots: torch.Tensor  # [R] int32: each request row's slot
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding
     seq_lens: torch.Tensor  # [R] int32

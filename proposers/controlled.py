@@ -60,6 +60,7 @@ class ControlledProposer(Proposer):
         return self.inner.kv_cache_bytes_per_block()
 
     def initialize(self, num_kv_blocks: int) -> None:
+        self.inner.device_step = self.device_step  # its graphs read the step; the drafts are ours
         self.inner.initialize(num_kv_blocks)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:

@@ -1,7 +1,9 @@
 """Prompt-lookup (n-gram) proposer: continue the sequence the way it continued before.
 
 The last ``n`` tokens (``prompt_lookup_max >= n >= prompt_lookup_min``) are looked up in the
-prompt + output; the tokens that followed the match become the drafts.
+prompt + output; the tokens that followed the match become the drafts. A continuation that runs
+into the end of the sequence repeats: after ``... a b c a b``, the match ``a b`` is followed by
+``c a b``, and the pattern goes on ``c a b c a ...``.
 
 Which match wins: the longest ``n`` first; among occurrences of that n-gram, the **earliest**
 (leftmost) one. The earliest occurrence has the longest continuation before it runs into the
@@ -10,22 +12,28 @@ same continuation.
 
 A step of more than a few requests is searched at once (:func:`find_ngram_continuations`: one padded
 array, one comparison for every request's candidate ends), with the per-request search's results.
+After a greedy verification on the GPU runner the search runs on the device instead
+(:meth:`NgramProposer.launch`, ``kernels.ngram``), where the verified tokens already are.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from specloop.kernel.config import EngineConfig
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DeviceStep, DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .step_graphs import capture_sizes, graph_sizes, graphs_wanted
 
 
 def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Up to ``k`` tokens following the earliest occurrence of the longest suffix n-gram
-    (``min_n <= n <= max_n``) that ends before the last token; empty when none matches."""
+    """``k`` tokens following the earliest occurrence of the longest suffix n-gram
+    (``min_n <= n <= max_n``) that ends before the last token, the continuation repeating if it
+    reaches the last token; empty when none matches."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     max_n = min(max_n, length - 1)
@@ -49,7 +57,12 @@ def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: in
     if best < min_n:
         return tokens[:0]
     end = int(ends[np.argmax(match_len == best)])  # the earliest end of a longest match
-    return tokens[end + 1:end + 1 + k]
+    return continuation(tokens, end, length, k)
+
+
+def continuation(tokens: np.ndarray, end: int, length: int, k: int) -> np.ndarray:
+    """``k`` tokens after ``tokens[end]``, the ``tokens[end + 1:length]`` pattern repeated."""
+    return tokens[end + 1 + np.arange(k) % (length - 1 - end)]
 
 
 _PAD = np.int64(-(1 << 62))  # past a row's end: equal to no token
@@ -92,7 +105,7 @@ def find_ngram_continuations(token_ids: Sequence[np.ndarray], min_n: int, max_n:
     out = empty
     for i, end in zip(first_rows.tolist(), ends[longest][first].tolist()):
         if best[i] >= min_n and row_max_n[i] >= min_n and limits[i] > 0:
-            out[i] = token_ids[i][end + 1:end + 1 + int(limits[i])]
+            out[i] = continuation(np.asarray(token_ids[i]), end, int(lengths[i]), int(limits[i]))
     return out
 
 
@@ -101,12 +114,29 @@ class NgramProposer(Proposer):
     "prompt_lookup_min": m, "prompt_lookup_max": M}``. Needs nothing from the target model."""
 
     catches_up = True  # stateless
+    launches = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
         spec = config.speculative_config
         self.min_n = int(spec.prompt_lookup_min or 1)
         self.max_n = int(spec.prompt_lookup_max or self.min_n)
+        self.searches: dict[int, DeviceSearch] = {}  # by rows per request
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        """With the runner's step on the device and CUDA graphs: one graph per verification shape
+        (rows per request, padded request count) that accepts, searches and writes the drafts."""
+        step, c = self.device_step, self.config
+        if step is None or self.context is None or not graphs_wanted(c, self.context.device, None):
+            return
+        budget = c.max_num_batched_tokens or c.max_num_seqs * (self.num_speculative_tokens + 1)
+        pool = None
+        for q in range(2, self.num_speculative_tokens + 2):
+            if budget // q < 1:
+                break
+            search = DeviceSearch(self, step, q, min(c.max_num_seqs, budget // q), pool)
+            search.capture()
+            self.searches[q], pool = search, search.pool
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
@@ -116,3 +146,51 @@ class NgramProposer(Proposer):
         else:
             found = find_ngram_continuations(inputs.token_ids, self.min_n, self.max_n, limits)
         return DraftProposal([d.tolist() for d in found])
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The search on the device, over the token rows of the runner's step (``kernels.ngram``):
+        one graph replay when one was captured for the step's shape, else three kernels. Every
+        request gets ``K`` drafts: with no match, its newest token repeated."""
+        src = self.device_step
+        if src is None or step.device is not src:
+            return None
+        n = len(step.req_ids)
+        search = self.searches.get(step.q)
+        if search is not None and n <= search.sizes[-1]:
+            size = search.sizes[bisect.bisect_left(search.sizes, n)]
+            if step.rows >= size:
+                search.graphs[size].replay()
+                search.num_replays += 1
+                drafts, accepted = search.outputs[size]
+                step.accepted, step.drafts_written = accepted[:n], True
+                return drafts[:n]
+        return self.search(src, step.accept(), step.q)
+
+    def search(self, src: DeviceStep, accepted: torch.Tensor, q: int) -> torch.Tensor:
+        from specloop.kernels.ngram import ngram_drafts
+
+        return ngram_drafts(src.tokens, src.req_slots, src.positions, accepted, q, self.min_n, self.max_n,
+                            self.num_speculative_tokens)
+
+
+class DeviceSearch:
+    """The n-gram proposal after a verification of ``q`` rows per request, as one CUDA graph per
+    padded request count over the runner's step (``DeviceStep``): the accepted rows (each
+    request's next token written into its token row), the search, the drafts into the token rows."""
+
+    def __init__(self, proposer: NgramProposer, step: DeviceStep, q: int, max_reqs: int, pool: object) -> None:
+        self.proposer, self.step, self.q, self.pool = proposer, step, q, pool
+        self.device = proposer.context.device
+        self.sizes = graph_sizes(max_reqs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # drafts [size, K], accepted
+        self.num_replays = 0
+
+    def capture(self) -> None:
+        capture_sizes(self, lambda size: None, self.forward, f"n-gram searches after {self.q}-row verifications")
+
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        accepted = self.step.accept_rows(size, self.q)
+        drafts = self.proposer.search(self.step, accepted, self.q)
+        self.step.write_row_drafts(drafts, accepted, self.q)
+        return drafts, accepted

@@ -237,8 +237,9 @@ def feed_token_ids(token_ids: Sequence[np.ndarray], first: np.ndarray, q: int) -
 
 def graphs_wanted(config: object, device: torch.device, attn_backend: object) -> bool:
     """Whether a proposer should capture its steps: on CUDA, with the Triton attention backend (its
-    kernels read only device tensors), unless ``enforce_eager`` or the gpu runner's
-    ``cuda_graphs`` option turns graphs off."""
+    kernels read only device tensors) or none (``attn_backend`` None: a proposer without
+    attention), unless ``enforce_eager`` or the gpu runner's ``cuda_graphs`` option turns graphs
+    off."""
     options = getattr(config, "plugin_options", {}).get("gpu", {})
-    return (device.type == "cuda" and getattr(attn_backend, "name", "") == "triton"
+    return (device.type == "cuda" and (attn_backend is None or getattr(attn_backend, "name", "") == "triton")
             and not getattr(config, "enforce_eager", False) and bool(options.get("cuda_graphs", True)))

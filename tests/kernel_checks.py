@@ -387,6 +387,36 @@ def check_verify(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(ids, tokens[req_slots.long().repeat_interleave(q), want_pos].long())
 
 
+def check_ngram(device: str, dtype: torch.dtype) -> None:
+    """The device search after a verification (``kernels.ngram``) against the host proposer's
+    (``find_ngram_continuation``), over random token rows of small vocabularies (many matches,
+    repeats, no match at all), rows longer than one block of candidates, a newest position past a
+    row's end (a padding row) clamped. (Integers only: ``dtype`` is unused.)"""
+    import numpy as np
+
+    from specloop.kernels.ngram import ngram_drafts
+    from specloop.proposers.ngram import find_ngram_continuation
+
+    gen = torch.Generator().manual_seed(0)
+    for q, k, min_n, max_n, vocab, row_len in ((4, 3, 1, 4, 3, 40), (2, 5, 2, 3, 5, 600), (3, 1, 1, 1, 50, 30)):
+        n, slots = 6, 8
+        tokens = torch.randint(0, vocab, (slots, row_len), generator=gen, dtype=torch.int32)
+        req_slots = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
+        accepted = torch.randint(1, q + 1, (n,), generator=gen)
+        first = torch.randint(0, row_len - q, (n,), generator=gen)
+        first[0] = 0  # one known token: nothing to match
+        first[1] = row_len + 5  # past the row: searched as the whole row
+        positions = (first[:, None] + torch.arange(q)).reshape(-1)
+        out = torch.full((n, k), -7, dtype=torch.int64)
+        got = ngram_drafts(tokens.to(device), req_slots.to(device), positions.to(device), accepted.to(device), q,
+                           min_n, max_n, k, out=out.to(device)).cpu()
+        for i in range(n):
+            known = min(max(int(first[i] + accepted[i]) + 1, 1), row_len)
+            row = tokens[int(req_slots[i]), :known].numpy().astype(np.int64)
+            want = find_ngram_continuation(row, min_n, max_n, k).tolist() or [int(row[-1])] * k
+            assert got[i].tolist() == want, (q, k, i, got[i].tolist(), want)
+
+
 def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, max_tv: float = 0.03) -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, vocab, generator=gen) * 2
@@ -436,6 +466,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.mla_attention as mla
     import specloop.kernels.mla_rope_cache as mla_rope
     import specloop.kernels.moe_route as route
+    import specloop.kernels.ngram as ngram
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.verify as verify
@@ -458,7 +489,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, route, matmul, gemv, verify)
+               moe, route, matmul, gemv, verify, ngram)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -507,6 +538,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             verify.accept(ids64, ids64, ids64, 4, i32, torch.zeros(4, 64, dtype=torch.int32), i32)
             verify.write_drafts(torch.zeros(4, 3, dtype=torch.int64), ids64[:4], ids64, 4, i32,
                                 torch.zeros(4, 64, dtype=torch.int32))
+            ngram.ngram_drafts(torch.zeros(4, 64, dtype=torch.int32), i32, ids64, ids64[:4], 4, 1, 4, 3)
             qkv = torch.randn(4, 32 * 128, dtype=dtype)
             cos, sin = rope_tables(64, 128, 1e6)
             rotary.rotary_embedding(qkv[:, :2048].view(4, 16, 128), qkv[:, 2048:3072].view(4, 8, 128),
@@ -587,6 +619,7 @@ ALL_CHECKS = {
     **mla_moe_checks.CHECKS,
     "token_bitmask": check_token_bitmask,
     "verify": check_verify,
+    "ngram": check_ngram,
 }
 
 

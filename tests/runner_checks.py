@@ -188,6 +188,50 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
     assert overlapped.count > 0
 
 
+def check_ngram_launch(device: str) -> None:
+    """n-gram drafts searched on the device after each greedy verification (``NgramProposer.launch``,
+    ``kernels.ngram``), synchronously and with asynchronous scheduling (its verifications read a
+    step late), against the host search (``device_proposals`` off) and the target without drafts:
+    the same greedy output, the same drafts verified at each request and position where both
+    verify all ``K`` (near a request's end the host pads its fewer drafts differently; a step
+    planned before the verification is read keeps fewer of them), and most proposals launched."""
+    from specloop import LLM, SamplingParams
+
+    base = [p[:7] for p in prompts(3, seed=31, min_len=7, max_len=12)]
+    batch = [{"prompt_token_ids": p + p[:4] + p} for p in base]  # repeats for the lookup to find
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs, at, launched = {}, {}, {}
+    for mode in ("none", "host", "device", "async"):
+        llm = LLM(tiny("qwen3").path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
+                  max_model_len=64, max_num_seqs=4, async_scheduling=mode == "async",
+                  speculative_config=None if mode == "none" else spec,
+                  plugin_options={"gpu": {"device_proposals": mode != "host"}})
+        try:
+            if mode != "none":
+                runner = llm.core.runner
+                runner.drafter.pad_drafts = True  # uniform batches, as when the target replays graphs
+                at[mode] = {}
+                runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, [], at[mode])
+                prop, calls = runner.drafter.proposer, []
+                launch = prop.launch
+                prop.launch = lambda step: calls.append(launch(step)) or calls[-1]
+            outs[mode] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+            if mode != "none":
+                launched[mode] = (sum(d is not None for d in calls), len(calls))
+        finally:
+            llm.core.shutdown()
+    assert all(outs[m] == outs["none"] for m in outs), outs
+    assert launched["host"] == (0, 0) and all(launched[m][0] > 5 for m in ("device", "async")), launched
+    for mode in ("device", "async"):
+        common = [key for key in at[mode] if len(at["host"].get(key, ())) == spec["num_speculative_tokens"]]
+        assert len(common) > 5, (mode, len(common))
+        # Planned before the verification is read (async), a step near a request's end keeps fewer.
+        differ = [(key, at[mode][key], at["host"][key]) for key in common
+                  if at[mode][key] != at["host"][key][:len(at[mode][key])]]
+        assert not differ, (mode, differ)
+
+
 def check_structured_async_matches_sync(device: str, dtype: str, max_tokens: int = 24) -> None:
     """Grammar-constrained requests on the gpu runner with asynchronous scheduling (masks applied
     on the device by the fast sampler, tokens deferred) against the synchronous torch runner, on
@@ -414,6 +458,7 @@ def _main() -> None:
     check_decode_graph_draws("cpu")
     check_async_scheduling_matches_sync("cpu", "float32")
     check_spec_async_matches_sync("cpu", "float32")
+    check_ngram_launch("cpu")
     check_structured_async_matches_sync("cpu", "float32", max_tokens=8)
     print("ok runner")
 

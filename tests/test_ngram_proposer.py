@@ -19,7 +19,8 @@ def brute_force(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = tokens[-n:]
         for start in range(0, len(tokens) - n):
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                follows = tokens[start + n:]  # repeated when it runs into the end
+                return [follows[j % len(follows)] for j in range(k)]
     return []
 
 
@@ -50,14 +51,17 @@ def test_tie_goes_to_the_earliest_occurrence() -> None:
     assert find_ngram_continuation(np.array(tokens), 2, 2, 2).tolist() == [10, 11]
 
 
-def test_continuation_may_run_into_the_suffix() -> None:
+def test_a_continuation_that_reaches_the_end_repeats() -> None:
     tokens = [5, 6, 5, 6, 5, 6]
-    assert find_ngram_continuation(np.array(tokens), 1, 2, 5).tolist() == [5, 6, 5, 6]
+    assert find_ngram_continuation(np.array(tokens), 1, 2, 5).tolist() == [5, 6, 5, 6, 5]
+    # "1 2" first ends at index 2, followed by "c a b": the pattern goes on c a b c ...
+    assert find_ngram_continuation(np.array([9, 1, 2, 3, 1, 2]), 2, 2, 5).tolist() == [3, 1, 2, 3, 1]
+    assert find_ngram_continuation(np.array([7, 7]), 1, 3, 3).tolist() == [7, 7, 7]
 
 
 def test_min_n_ignores_shorter_matches_and_no_match_is_empty() -> None:
     assert find_ngram_continuation(np.array([1, 2, 3, 9, 3]), 2, 3, 3).tolist() == []
-    assert find_ngram_continuation(np.array([1, 2, 3, 9, 3]), 1, 3, 3).tolist() == [9, 3]
+    assert find_ngram_continuation(np.array([1, 2, 3, 9, 3]), 1, 3, 3).tolist() == [9, 3, 9]
     assert find_ngram_continuation(np.array([1, 2, 3, 4]), 1, 3, 3).tolist() == []
     assert find_ngram_continuation(np.array([4]), 1, 3, 3).tolist() == []
     assert propose([[1, 2, 3, 4, 5]]) == [[]]
