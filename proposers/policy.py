@@ -145,7 +145,8 @@ class AdaptivePolicy:
     measurement of a length would otherwise keep the policy off it for thousands of steps.
 
     The policy runs the length with the highest rate, but holds the length it runs in a bucket
-    unless the better one's gain over ``min_interval`` steps pays for the switch. A length whose
+    unless the better one's gain over ``min_interval`` steps pays for the switch; it weighs the
+    lengths again every ``recheck`` steps, or when the batch changes bucket. A length whose
     step time nobody has measured is probed first (``K``, then 0; the lengths between are
     interpolated), in runs of ``probe_len`` steps. Every other length is probed again as often as
     keeps its expected loss under ``probe_cost`` of the time: a probe loses its steps' shortfall
@@ -161,7 +162,7 @@ class AdaptivePolicy:
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
                  min_interval: int = 64, max_interval: int = 2048, decay: float = 0.98,
-                 accept_decay: float = 0.95, warmup: int | None = None) -> None:
+                 accept_decay: float = 0.95, warmup: int | None = None, recheck: int = 8) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
@@ -184,6 +185,10 @@ class AdaptivePolicy:
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
         self.last_bucket = 0
+        # Weighing every length costs tens of microseconds of Python, a tenth of a small step: a
+        # choice holds for ``recheck`` steps of its bucket (no probe is due sooner than that).
+        self.recheck = recheck
+        self.decided: tuple[int, int, int] = (-1, 0, 0)  # (bucket, length, until step)
 
     # --- measurements --------------------------------------------------------------------------------
 
@@ -238,7 +243,13 @@ class AdaptivePolicy:
             self.length = self.probe[1]
             return self.length
         self.probe = None
+        held_bucket, held, until = self.decided
+        if held_bucket == bucket and self.num_steps < until:
+            self.length = held
+            return held
         self.length = self._next_length(bucket)
+        if self.probe is None:
+            self.decided = (bucket, self.length, self.num_steps + self.recheck)
         return self.length
 
     def _bucket(self, num_reqs: int) -> int:

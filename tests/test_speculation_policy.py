@@ -82,12 +82,27 @@ def test_it_finds_the_fastest_length_and_keeps_within_a_few_percent_of_it(batch,
 
 def test_it_probes_k_then_0_and_interpolates_the_lengths_between():
     p = policy(probe_len=4)
-    chosen = Machine(p).run(64, 1, 0.7, SMALL)
+    chosen = Machine(p).run(96, 1, 0.7, SMALL)
     # K then 0 in warm-up (steps 1-8; their times, reported up to 6 steps later, dropped), then
-    # K and 0 measured; it settles on K, length 1 never run.
+    # K and 0 measured; it settles on K (weighing the lengths again every 8 steps), length 1 never
+    # run.
     assert chosen[:20] == [K] * 4 + [0] * 4 + [K] * 8 + [0] * 4 and chosen[-32:] == [K] * 32 and 1 not in chosen
     s0, s3 = p.step_time(1, 0)[0], p.step_time(1, K)[0]
     assert p.step_times(1)[1] == (pytest.approx(s0 + (s3 - s0) / 3), 0.0)
+
+
+def test_it_weighs_the_lengths_every_few_steps_or_when_the_batch_changes_bucket():
+    p = policy()
+    m = Machine(p)
+    m.run(400, 1, 0.7, SMALL)
+    weighed = []
+    next_length = p._next_length
+    p._next_length = lambda bucket: weighed.append(bucket) or next_length(bucket)
+    m.run(160, 1, 0.7, SMALL)
+    assert 0 < len(weighed) <= 160 // p.recheck + 2, len(weighed)  # (a probe's first step is weighed too)
+    weighed.clear()
+    p.drafting([f"r{i}" for i in range(32)])
+    assert weighed == [6]
 
 
 def test_each_batch_size_has_its_own_choice():
