@@ -155,7 +155,10 @@ class AdaptivePolicy:
     first step of a run of each length over its steady step, one step until measured), so it comes
     once that loss is ``probe_cost`` of the steps since the last, and not more often than every
     ``min_interval`` steps nor less often than every ``max_interval``: a one-time cost (a kernel
-    compiled in a run's first step) must not mark a length dear for good. A step that costs less
+    compiled in a run's first step) must not mark a length dear for good. The lengths that far
+    behind (their loss would allow a longer interval) take turns: one probe of them every
+    ``max_interval`` steps, the one that waited longest, since a proposer whose drafts lose would
+    otherwise pay a probe of every such length each time. A step that costs less
     than ``1 / OUTLIER`` of its estimate restarts that estimate, for the same reason. Probes of a
     length with drafts also refresh the acceptance while the policy drafts nothing.
     """
@@ -182,6 +185,7 @@ class AdaptivePolicy:
         self.probed: dict[tuple[int, int], int] = {}
         self.first_seen: dict[int, int] = {}
         self.held: dict[int, int] = {}  # per bucket, the length it runs between probes
+        self.far_probed: dict[int, int] = {}  # per bucket, when it last probed a length far behind
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
         self.last_bucket = 0
@@ -283,6 +287,7 @@ class AdaptivePolicy:
         self.held[bucket] = best
         best_rate, best_step, _ = rates[best]
         due = []
+        far = self.num_steps - self.far_probed.get(bucket, self.first_seen[bucket]) < self.max_interval
         for n in self.lengths:
             if n == best:
                 continue
@@ -290,12 +295,18 @@ class AdaptivePolicy:
             # Seconds a probe loses against the best length: its steps' shortfall, and its switches.
             loss = (self.probe_len * step * (1 - rate / best_rate) + self.switch_cost(bucket, n, step)
                     + self.switch_cost(bucket, best, best_step))
-            interval = min(max(self.min_interval, loss / (best_step * self.probe_cost)), self.max_interval)
+            interval = loss / (best_step * self.probe_cost)
+            if interval >= self.max_interval and far:
+                continue  # one length this far behind was probed within max_interval: it speaks for all
+            interval = min(max(self.min_interval, interval), self.max_interval)
             waited = self.num_steps - self.probed.get((bucket, n), self.first_seen[bucket])
             if waited >= interval:
-                due.append((waited / interval, n))
+                due.append((waited / interval, interval >= self.max_interval, n))
         if due:
-            return self._start_probe(bucket, max(due)[1])
+            _, capped, n = max(due)
+            if capped:
+                self.far_probed[bucket] = self.num_steps
+            return self._start_probe(bucket, n)
         return best
 
     def switch_cost(self, bucket: int, length: int, step: float) -> float:

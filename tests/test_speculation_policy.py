@@ -105,6 +105,18 @@ def test_it_weighs_the_lengths_every_few_steps_or_when_the_batch_changes_bucket(
     assert weighed == [6]
 
 
+def test_lengths_far_behind_take_turns_at_one_probe_each_max_interval():
+    # Drafts that lose: every length costs 4-5x a step without drafts for almost no accepted token.
+    dear = {0: 1.0e-3, 1: 4.0e-3, 2: 4.5e-3, 3: 5.0e-3}
+    p = policy()
+    m = Machine(p)
+    chosen = m.run(8 * p.max_interval, 1, 0.05, dear)
+    starts = [(n, i) for i, n in enumerate(chosen) if n and i > 300 and chosen[i - 1] != n]
+    assert len(starts) <= 8 and {n for n, _ in starts} == {1, 2, 3}, starts
+    assert all(b - a >= p.max_interval for (_, a), (_, b) in zip(starts, starts[1:])), starts
+    assert m.tokens / m.seconds > 0.97 / dear[0]
+
+
 def test_each_batch_size_has_its_own_choice():
     m = Machine(policy())
     m.run(2000, 1, 0.7, SMALL)
