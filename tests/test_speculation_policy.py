@@ -235,10 +235,10 @@ def test_one_paused_step_barely_moves_its_lengths_step_time():
 
 def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     """Under asynchronous scheduling a step's tokens may be known only after the next step began
-    (a sampling thread); its rate is reported then, with its own request count, whether or not it
-    admitted requests, unless the step after it holds only new requests (the engine may have
-    waited for them); the first step of a run is marked, the second not reported (the pipeline
-    refills)."""
+    (a sampling thread); its rate is reported then, with its own request count, unless it admitted
+    requests (their prefill costs every length alike) or the step after it holds only new requests
+    (the engine may have waited for them); the first step of a run is marked, the second not
+    reported (the pipeline refills)."""
     from types import SimpleNamespace
 
     from specloop.backends.drafting import DraftingStage
@@ -267,13 +267,12 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
         records.append(stage.begin_step(plan))
         if n >= 1:  # the previous step's tokens arrive while this one runs
             records[n - 1].tokens = 10 + n - 1
-    # Steps 2 and 3 sat amid steps of length 0 (reported two steps after they began, once their
-    # tokens came), but step 3 holds only new requests: the engine may have idled before it, so
-    # step 2 is not reported; step 3 is, although the step after it admitted a request; step 4
-    # ends the run of length 0; 5 is the first of length 2 (its time includes the switch), 6 the
-    # second (not reported), 7 and 8 sat amid length 2; 9's tokens come only after the last step
-    # began.
-    assert policy.rates == [(0, 4, 13, False), (2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
+    # Steps 2 and 3 sat amid steps of length 0, but step 3 holds only new requests: the engine may
+    # have idled before it, so step 2 is not reported; nor is step 3, which admitted them; step 4
+    # ends the run of length 0; 5 is the first of length 2 (its time includes the switch; reported
+    # two steps after it began, once its tokens came), 6 the second (not reported), 7 and 8 sat
+    # amid length 2; 9's tokens come only after the last step began.
+    assert policy.rates == [(2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
 
 
 def test_fixed_policy():
