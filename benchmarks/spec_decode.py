@@ -448,6 +448,8 @@ def main() -> None:
                 # What the policy did in the timed runs (the cost run's timers would skew its rates).
                 policy = engine.trace.summary() if engine.trace is not None else None
                 cost = engine.costs()
+                # Each engine times its decode attention tiles at start-up: which it chose, with and without drafts.
+                tiles = [getattr(e.llm.core.runner.attn_backend, "decode_config", None) for e in (base, engine)]
                 engine.close()
                 run, base_steps = engine.stats, base.stats["steps"]
                 speedup = base.seconds / engine.seconds
@@ -460,7 +462,7 @@ def main() -> None:
                        "identical": run["tokens"] == base.stats["tokens"],
                        "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
                        "draft_token_cost": cost["propose_per_token_s"] / base_cost["forward_s"],
-                       "policy": policy,
+                       "policy": policy, "decode_attention_tiles": tiles,
                        # per timed run, {length[-first][-admit]: [steps, ms]}
                        "step_times": engine.step_times.runs[:len(engine.times)] if engine.step_times else None,
                        **{key: v for key, v in run.items() if key != "tokens"}}
