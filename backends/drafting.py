@@ -104,11 +104,10 @@ class DraftingStage:
         tokens per second to the policy (:meth:`_report_rates`)."""
         num_reqs = len(plan.num_scheduled_tokens)
         length = int(self.policy.drafting(list(plan.num_scheduled_tokens)))
-        wanted = length > 0
-        drafts = wanted or any(plan.scheduled_spec_decode_tokens.values())
-        admitted = len(plan.scheduled_new_reqs) + len(plan.scheduled_resumed_reqs)
-        record = StepRecord(wanted or not self.proposer.catches_up, drafts, time.perf_counter(), length, num_reqs,
-                            admitted >= num_reqs, admitted > 0)
+        wanted, admitted = length > 0, len(plan.scheduled_new_reqs) + len(plan.scheduled_resumed_reqs)
+        record = StepRecord(wanted or not self.proposer.catches_up,
+                            wanted or any(plan.scheduled_spec_decode_tokens.values()), time.perf_counter(), length,
+                            num_reqs, admitted >= num_reqs, admitted > 0)
         self._recent.append(record)
         self._report_rates()
         return record
@@ -116,19 +115,16 @@ class DraftingStage:
     def _report_rates(self) -> None:
         """Each step whose tokens are known and whose next step has begun at its length: its tokens
         and the wall time to the next step's start, once, marked ``first`` when the step before it
-        ran at another length. Not a step that admits requests: its prompts' prefill is the same
-        work at every length, but a length that finishes requests sooner admits in more of its
-        steps, and at a large batch, where most steps of a length that drafts admit, those steps
-        made it look two or three times dearer than its steps without prompts (EAGLE-3 at batch 128
-        on the H200: 3.4 against 8.7 ms a step). Not the second step of a run (after a run with
-        drafts it is the first that overlaps the next, and its interval still holds the pipeline's
-        refill), nor a step followed by one of only new requests (the engine may have idled between
-        them)."""
+        ran at another length. Not a step that admits requests: its prefill is the same work at
+        every length, but a length that finishes requests sooner admits in more of its steps (at
+        batch 128 most steps of EAGLE-3 at K = 3 did, and looked 2.6x dearer than the rest). Not
+        the second step of a run (after a run with drafts it is the first that overlaps the next,
+        and its interval still holds the pipeline's refill), nor a step followed by one of only
+        new requests (the engine may have idled between them)."""
         recent = list(self._recent)
         for earlier, before, step, after in zip(recent, recent[1:], recent[2:], recent[3:]):
             if (not step.reported and step.tokens and not step.admits and step.length == after.length
-                    and not after.fresh
-                    and after.started > step.started
+                    and not after.fresh and after.started > step.started
                     and (before.length != step.length or earlier.length == step.length)):
                 step.reported = True
                 self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,
