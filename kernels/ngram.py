@@ -49,6 +49,9 @@ def _ngram_kernel(tokens_ptr, row_len, req_slots_ptr, positions_ptr, accepted_pt
     tl.store(drafts_ptr + i * K + k, drafts.to(tl.int64), mask=k < K)
 
 
+BLOCK = 1024  # candidate ends a program compares at once: a 32k-token row is 32 dependent rounds
+
+
 def ngram_drafts(tokens: torch.Tensor, req_slots: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor,
                  q: int, min_n: int, max_n: int, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``k`` drafts (int64 ``[n, k]``) of each of ``n = len(accepted)`` requests; see the
@@ -65,5 +68,5 @@ def ngram_drafts(tokens: torch.Tensor, req_slots: torch.Tensor, positions: torch
         out = torch.empty((n, k), dtype=torch.int64, device=tokens.device)
     if n and k:
         _ngram_kernel[(n,)](tokens, tokens.stride(0), req_slots, positions, accepted, out, q, min_n,
-                            MAX_N=max_n, K=k, BLOCK=256, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=4)
+                            MAX_N=max_n, K=k, BLOCK=BLOCK, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=4)
     return out

@@ -398,7 +398,7 @@ def check_ngram(device: str, dtype: torch.dtype) -> None:
     from specloop.proposers.ngram import find_ngram_continuation
 
     gen = torch.Generator().manual_seed(0)
-    for q, k, min_n, max_n, vocab, row_len in ((4, 3, 1, 4, 3, 40), (2, 5, 2, 3, 5, 600), (3, 1, 1, 1, 50, 30)):
+    for q, k, min_n, max_n, vocab, row_len in ((4, 3, 1, 4, 3, 40), (2, 5, 2, 3, 5, 2500), (3, 1, 1, 1, 50, 30)):
         n, slots = 6, 8
         tokens = torch.randint(0, vocab, (slots, row_len), generator=gen, dtype=torch.int32)
         req_slots = torch.randperm(slots, generator=gen)[:n].to(torch.int32)
