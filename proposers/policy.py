@@ -190,7 +190,8 @@ class AdaptivePolicy:
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
         self.last_bucket = 0
         # Weighing every length costs tens of microseconds of Python, a tenth of a small step: a
-        # choice holds for ``recheck`` steps of its bucket (no probe is due sooner than that).
+        # choice holds for ``recheck`` steps of its bucket (a probe that comes due waits that long
+        # at most).
         self.recheck = recheck
         self.decided: tuple[int, int, int] = (-1, 0, 0)  # (bucket, length, until step)
 
