@@ -167,8 +167,11 @@ class ProposalGraphs(StepGraphs):
         self.device_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # drafts [size, K], accepted
         self.num_device_replays = 0
 
+    host_fed = True  # also the graphs fed from the host's copies (``propose``)
+
     def capture(self) -> None:
-        super().capture()
+        if self.host_fed:
+            super().capture()
         if self.source is not None:
             capture_sizes(self, lambda size: None, self.device_forward,
                           f"proposals fed from the device after {self.q}-row verifications",
@@ -196,17 +199,26 @@ class ProposalGraphs(StepGraphs):
         the device-fed graph when ``step`` is ``source``'s and prepared at least as many request rows
         as that graph reads (its drafts then written, ``step.drafts_written``), else from the host's
         copies (:meth:`propose`)."""
+        drafts = self.replay_device(step)
+        if drafts is not None:
+            return drafts
+        return self.propose(step.target_tokens, step.first, step.block_ids, step.accept())[1][:len(step.req_ids)]
+
+    def replay_device(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The drafts after ``step`` from the device-fed graph, if it applies (as :meth:`launch`)."""
         n = len(step.req_ids)
+        if not self.fits(n):
+            return None
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         graph = self.device_graphs.get(size)
-        if graph is not None and step.device is self.source and step.rows >= size:
-            graph.replay()
-            self.num_replays += 1
-            self.num_device_replays += 1
-            drafts, accepted = self.device_outputs[size]
-            step.accepted, step.drafts_written = accepted[:n], True
-            return drafts[:n]
-        return self.propose(step.target_tokens, step.first, step.block_ids, step.accept())[1][:n]
+        if graph is None or step.device is not self.source or step.rows < size:
+            return None
+        graph.replay()
+        self.num_replays += 1
+        self.num_device_replays += 1
+        drafts, accepted = self.device_outputs[size]
+        step.accepted, step.drafts_written = accepted[:n], True
+        return drafts[:n]
 
     def forward(self, size: int) -> tuple[torch.Tensor, ...]:
         out = super().forward(size)[0]

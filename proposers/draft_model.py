@@ -23,10 +23,21 @@ request needs fewer (the same token at the same position: the same entry). Draft
 the same graph (``ProposalGraphs``), each step's argmax feeding the next on the device; the host
 reads the drafts once, at the end. A longer feed (a prompt after admission) runs eagerly, and the
 drafts after it replay one graph of their own (``ChainGraphs``).
+
+After a uniform greedy verification of ``q`` rows per request on the GPU runner the proposal is
+launched from the device (:meth:`DraftModelProposer.launch`, :class:`TokenRowProposals`), before
+the host reads the verification: one graph feeds each request the ``q + 1`` tokens of its device
+token row from the verification's first position (its newest token, the drafts it accepted, the
+target's token after them, then rows past it whose entries the next proposal rewrites before
+anything reads them) and drafts from its newest token's row. That needs every position before the
+verification's first in the draft cache: so for a request whose last proposal was launched in the
+step before, or whose record says so; otherwise the host proposes, feeding from what it knows is
+valid (after a launch, the positions up to that verification's first).
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Iterable
 
 import numpy as np
@@ -39,7 +50,7 @@ from specloop.models.context import ForwardContext
 from specloop.models.loader import load_model
 from specloop.models.parallel import SINGLE
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DeviceStep, DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .chain_graphs import ChainGraphs, ProposalGraphs, greedy_drafts, greedy_graphed, take_drafts
 from .step_graphs import graphs_wanted
@@ -51,6 +62,7 @@ class DraftModelProposer(Proposer):
 
     FEED_ROWS = (1, 2)  # tokens per request a steady step's first draft step feeds
     catches_up = True  # a proposal feeds every token its cache lacks (_valid_prefix)
+    launches = True
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -71,6 +83,8 @@ class DraftModelProposer(Proposer):
         self.graphs_on = False  # greedy drafting replays graphs (CUDA, Triton attention)
         self.chain: ChainGraphs | None = None  # drafts 2..K
         self.feed_graphs: dict[int, ProposalGraphs] = {}  # whole proposals, by tokens fed per request
+        self.launch_graphs: dict[int, TokenRowProposals] = {}  # launched ones, by rows verified per request
+        self.launched_last: set[str] = set()  # requests the last call launched for (none since)
         # Per request, what the last proposal left in the draft cache: the request's length then
         # and the drafts it fed after it (module docstring).
         self.written: dict[str, tuple[int, list[int]]] = {}
@@ -82,7 +96,7 @@ class DraftModelProposer(Proposer):
         mc = self.model_config
         shape = mc.kv_cache_shape(self.attn_backend, num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.chain, self.feed_graphs = None, {}
+        self.chain, self.feed_graphs, self.launch_graphs = None, {}, {}
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
@@ -95,6 +109,14 @@ class DraftModelProposer(Proposer):
             graphs.capture()
             pool = graphs.pool
             self.feed_graphs[q] = graphs
+        budget = c.max_num_batched_tokens or c.max_num_seqs * (k + 1)
+        for q in range(2, k + 2) if self.device_step is not None else ():
+            if budget // q < 1:
+                break
+            graphs = TokenRowProposals(self, self.device_step, q, min(c.max_num_seqs, budget // q), max_len, pool)
+            graphs.capture()
+            pool = graphs.pool
+            self.launch_graphs[q] = graphs
         if k > 1:  # captured last, so that its replays leave the feeds' live outputs alone
             self.chain = ChainGraphs(self._chain_step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
                                      ((self.model_config.hidden_size,), self.dtype), pool=pool)
@@ -120,8 +142,34 @@ class DraftModelProposer(Proposer):
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
             self.written.pop(rid, None)
+            self.launched_last.discard(rid)
+
+    def skip(self) -> None:
+        self.launched_last.clear()
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The whole greedy proposal from one graph fed from the device (module docstring), when
+        one was captured for the step's shape and every request's draft cache holds the positions
+        before its first row."""
+        graphs = self.launch_graphs.get(step.q)
+        n = len(step.req_ids)
+        if graphs is None or step.device is not graphs.source or not graphs.fits(n):
+            return None
+        first = step.first.tolist()
+        if not all(rid in self.launched_last or self._valid_prefix(rid, tokens) >= f
+                   for rid, tokens, f in zip(step.req_ids, step.token_ids, first)):
+            return None
+        with torch.inference_mode():
+            drafts = graphs.replay_device(step)
+        if drafts is None:
+            return None
+        for rid, f in zip(step.req_ids, first):  # positions up to ``f`` hold its tokens; past it, unknown yet
+            self.written[rid] = (f + 1, [])
+        self.launched_last = set(step.req_ids)
+        return drafts
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
+        self.launched_last.clear()
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         probs: list[list[torch.Tensor]] = [[] for _ in inputs.req_ids]  # none: one-hot
@@ -220,3 +268,43 @@ class DraftModelProposer(Proposer):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.compute_logits(hidden).float()
+
+
+class TokenRowProposals(ProposalGraphs):
+    """A draft model's whole greedy proposal after a verification of ``verified`` rows per
+    request, one graph per padded request count fed from the runner's step alone (``source``): the
+    rows each request accepted (its next token written into its token row), then ``verified + 1``
+    tokens a request from its token row at the verification's positions and one past, the drafts
+    from its newest token's row on, and the drafts into the token rows."""
+
+    host_fed = False
+
+    def __init__(self, proposer: DraftModelProposer, source: DeviceStep, verified: int, max_reqs: int, max_len: int,
+                 pool: object) -> None:
+        super().__init__(proposer._feed_step, proposer._chain_step, proposer._argmax, proposer.device, max_reqs,
+                         max_len, proposer.block_size, proposer.num_speculative_tokens - 1, rows_per_req=verified + 1,
+                         pool=pool, source=source)
+        self.verified = verified
+        self._row_offsets = torch.arange(verified + 1, dtype=torch.int64, device=proposer.device)
+
+    def device_forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src, q, bs, rows = self.source, self.verified, self.block_size, size * self.q
+        accepted = src.accept_rows(size, q)
+        writable = src.writable(size)
+        first = torch.where(writable > 0, src.positions[:size * q:q], 0)  # padding: position 0, nothing written
+        pos = first[:, None] + self._row_offsets
+        width = src.tokens.shape[1]
+        at = src.req_slots[:size, None].long() * width + pos.clamp(max=width - 1)
+        self.token_ids[:rows].copy_(src.tokens.view(-1).index_select(0, at.view(-1)))
+        self._packed[0, :rows].copy_(pos.view(-1))
+        tables = src.block_tables[:size]
+        block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)).long()
+        self._packed[1, :rows].copy_(torch.where(pos < writable[:, None], block * bs + pos % bs, -1).view(-1))
+        self._packed[3, :size].copy_(accepted + 1)  # the newest token's row, counted from 1
+        self._packed[4, :size].copy_(writable)
+        self.seq_lens[:size].copy_(first + q + 1)
+        width = min(self.max_blocks, tables.shape[1])
+        self.block_tables[:size, :width].copy_(tables[:, :width])
+        drafts = self.forward(size)[1]
+        src.write_row_drafts(drafts, accepted, q)
+        return drafts, accepted

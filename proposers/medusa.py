@@ -7,6 +7,11 @@ draft is the head's top-1 token after the request's logit processing (bias, min_
 the drafts before it counting as output), so the drafts are deterministic and the rejection
 sampler treats them as one-hot: sampled output still follows the target exactly.
 
+After a greedy verification on the GPU runner the heads run from the device
+(:meth:`MedusaProposer.launch`): the step's final states go to a static buffer and one graph per
+verification shape reads each request's state at its accepted row, runs the heads and writes the
+argmax drafts into the token rows, before the host has read the verification.
+
 Checkpoint layouts (``docs/speculative.md``):
 
 * vLLM's (``MedusaModel``): ``config.json`` with ``hidden_size``, ``vocab_size``, ``num_heads``,
@@ -29,9 +34,10 @@ from torch import nn
 from specloop.kernel.config import EngineConfig
 from specloop.models.config import ModelLoadError
 
-from .base import DraftProposal, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import plain_greedy, processed_logits
 from .heads import fill, read_checkpoint
+from .step_graphs import LaunchGraphs, capture_launches
 
 _ORIGINAL_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _ORIGINAL_HEAD = re.compile(r"^(\d+)\.(\d+)\.weight$")
@@ -114,6 +120,7 @@ class MedusaProposer(Proposer):
     # Stateless: a proposal reads only the newest token's hidden state, so the runner may skip the
     # call in steps that draft nothing (and those steps overlap the next).
     catches_up = True
+    launches = True  # when it has a head for every draft
 
     def __init__(self, config: EngineConfig, context: ProposerContext) -> None:
         super().__init__(config, context)
@@ -123,6 +130,41 @@ class MedusaProposer(Proposer):
         self.device = context.device
         self.heads = load_medusa(spec.model, context.model_config.hidden_size, context.vocab_size, context.device,
                                  context.dtype)
+        self.launch_graphs: dict[int, LaunchGraphs] = {}  # by rows per request
+        # The launched step's final states, where the graphs read them.
+        self.states = torch.empty(0, context.model_config.hidden_size, dtype=context.dtype, device=self.device)
+
+    def initialize(self, num_kv_blocks: int) -> None:
+        c, k = self.config, self.num_speculative_tokens
+        if self.device_step is None or k > self.heads.num_heads:
+            return
+        self.launch_graphs = capture_launches(self._drafts, c, self.device_step, self.device, k, "Medusa heads")
+        if self.launch_graphs:
+            rows = max(c.max_num_batched_tokens or 0, c.max_num_seqs * (k + 1))
+            self.states = self.states.new_zeros(rows, self.states.shape[1])
+
+    def _drafts(self, accepted: torch.Tensor, q: int, states: torch.Tensor | None = None) -> torch.Tensor:
+        """Each request's greedy drafts ``[n, K]`` from its final state at its newest accepted row
+        (of ``q``) in ``states`` (default: :attr:`states`)."""
+        rows = torch.arange(0, len(accepted) * q, q, device=accepted.device) + accepted - 1
+        states = self.states if states is None else states
+        logits = self.heads(states.index_select(0, rows))[:self.num_speculative_tokens]
+        return logits.argmax(dim=-1).t().contiguous()
+
+    def launch(self, step: LaunchInputs) -> torch.Tensor | None:
+        """The heads over the verification's states at each request's accepted row, in one graph
+        replay when one was captured for the step's shape (else eagerly): every request's ``K``
+        greedy drafts, as :meth:`propose` drafts for a plain greedy request."""
+        if step.device is None or step.device is not self.device_step or self.num_speculative_tokens > self.heads.num_heads:
+            return None
+        with torch.inference_mode():
+            graphs = self.launch_graphs.get(step.q)
+            if graphs is not None and len(step.hidden_states) <= len(self.states):
+                self.states[:len(step.hidden_states)].copy_(step.hidden_states)
+                drafts = graphs.replay(step)
+                if drafts is not None:
+                    return drafts
+            return self._drafts(step.accept(), step.q, step.hidden_states)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         k = min(self.num_speculative_tokens, self.heads.num_heads)

@@ -18,7 +18,6 @@ After a greedy verification on the GPU runner the search runs on the device inst
 
 from __future__ import annotations
 
-import bisect
 from typing import Sequence
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 
 from .base import DeviceStep, DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
-from .step_graphs import capture_sizes, graph_sizes, graphs_wanted
+from .step_graphs import LaunchGraphs, capture_launches
 
 
 def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -121,22 +120,14 @@ class NgramProposer(Proposer):
         spec = config.speculative_config
         self.min_n = int(spec.prompt_lookup_min or 1)
         self.max_n = int(spec.prompt_lookup_max or self.min_n)
-        self.searches: dict[int, DeviceSearch] = {}  # by rows per request
+        self.launch_graphs: dict[int, LaunchGraphs] = {}  # by rows per request
 
     def initialize(self, num_kv_blocks: int) -> None:
         """With the runner's step on the device and CUDA graphs: one graph per verification shape
         (rows per request, padded request count) that accepts, searches and writes the drafts."""
-        step, c = self.device_step, self.config
-        if step is None or self.context is None or not graphs_wanted(c, self.context.device, None):
-            return
-        budget = c.max_num_batched_tokens or c.max_num_seqs * (self.num_speculative_tokens + 1)
-        pool = None
-        for q in range(2, self.num_speculative_tokens + 2):
-            if budget // q < 1:
-                break
-            search = DeviceSearch(self, step, q, min(c.max_num_seqs, budget // q), pool)
-            search.capture()
-            self.searches[q], pool = search, search.pool
+        if self.context is not None:
+            self.launch_graphs = capture_launches(self._search, self.config, self.device_step,
+                                                  self.context.device, self.num_speculative_tokens, "n-gram searches")
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = draft_limits(self.config, inputs, self.num_speculative_tokens)
@@ -154,43 +145,15 @@ class NgramProposer(Proposer):
         src = self.device_step
         if src is None or step.device is not src:
             return None
-        n = len(step.req_ids)
-        search = self.searches.get(step.q)
-        if search is not None and n <= search.sizes[-1]:
-            size = search.sizes[bisect.bisect_left(search.sizes, n)]
-            if step.rows >= size:
-                search.graphs[size].replay()
-                search.num_replays += 1
-                drafts, accepted = search.outputs[size]
-                step.accepted, step.drafts_written = accepted[:n], True
-                return drafts[:n]
-        return self.search(src, step.accept(), step.q)
+        graphs = self.launch_graphs.get(step.q)
+        drafts = graphs.replay(step) if graphs is not None else None
+        return drafts if drafts is not None else self.search(src, step.accept(), step.q)
+
+    def _search(self, accepted: torch.Tensor, q: int) -> torch.Tensor:
+        return self.search(self.device_step, accepted, q)
 
     def search(self, src: DeviceStep, accepted: torch.Tensor, q: int) -> torch.Tensor:
         from specloop.kernels.ngram import ngram_drafts
 
         return ngram_drafts(src.tokens, src.req_slots, src.positions, accepted, q, self.min_n, self.max_n,
                             self.num_speculative_tokens)
-
-
-class DeviceSearch:
-    """The n-gram proposal after a verification of ``q`` rows per request, as one CUDA graph per
-    padded request count over the runner's step (``DeviceStep``): the accepted rows (each
-    request's next token written into its token row), the search, the drafts into the token rows."""
-
-    def __init__(self, proposer: NgramProposer, step: DeviceStep, q: int, max_reqs: int, pool: object) -> None:
-        self.proposer, self.step, self.q, self.pool = proposer, step, q, pool
-        self.device = proposer.context.device
-        self.sizes = graph_sizes(max_reqs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # drafts [size, K], accepted
-        self.num_replays = 0
-
-    def capture(self) -> None:
-        capture_sizes(self, lambda size: None, self.forward, f"n-gram searches after {self.q}-row verifications")
-
-    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        accepted = self.step.accept_rows(size, self.q)
-        drafts = self.proposer.search(self.step, accepted, self.q)
-        self.step.write_row_drafts(drafts, accepted, self.q)
-        return drafts, accepted

@@ -187,6 +187,66 @@ class StepGraphs:
         return self.outputs[size]
 
 
+class LaunchGraphs:
+    """A launching proposer's proposal after a verification of ``q`` rows per request, as one CUDA
+    graph per padded request count over the runner's step (``DeviceStep``): the rows each request
+    accepted (its next token written into its token row), ``propose(accepted, q)`` (the
+    ``[size, K]`` drafts, device work only), the drafts into the token rows."""
+
+    def __init__(self, propose: Callable[[torch.Tensor, int], torch.Tensor], step: Any, q: int, max_reqs: int,
+                 device: torch.device, what: str, pool: object = None) -> None:
+        self._propose = weakref.WeakMethod(propose) if hasattr(propose, "__self__") else (lambda: propose)
+        self.step, self.q, self.device, self.what, self.pool = step, q, device, what, pool
+        self.sizes = graph_sizes(max_reqs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # drafts [size, K], accepted [size]
+        self.num_replays = 0
+
+    def capture(self) -> None:
+        capture_sizes(self, lambda size: None, self.forward, f"{self.what} after {self.q}-row verifications")
+
+    def forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        accepted = self.step.accept_rows(size, self.q)
+        drafts = self._propose()(accepted, self.q)
+        self.step.write_row_drafts(drafts, accepted, self.q)
+        return drafts, accepted
+
+    def replay(self, launch: Any) -> torch.Tensor | None:
+        """The drafts after ``launch`` (a :class:`~specloop.proposers.base.LaunchInputs` of this
+        step), from one replay, setting its ``accepted`` and ``drafts_written``; None when no graph
+        fits it (more requests than captured, or fewer rows prepared than the graph reads)."""
+        n = len(launch.req_ids)
+        if launch.device is not self.step or n > self.sizes[-1]:
+            return None
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if launch.rows < size:
+            return None
+        self.graphs[size].replay()
+        self.num_replays += 1
+        drafts, accepted = self.outputs[size]
+        launch.accepted, launch.drafts_written = accepted[:n], True
+        return drafts[:n]
+
+
+def capture_launches(propose: Callable[[torch.Tensor, int], torch.Tensor], config: Any, step: Any,
+                     device: torch.device, num_speculative_tokens: int, what: str) -> dict[int, LaunchGraphs]:
+    """:class:`LaunchGraphs` for every verification shape, ``q = 2 .. K + 1`` rows per request,
+    each for as many requests as the step's token budget allows, in one memory pool; none without
+    the runner's ``step`` or off CUDA graphs (:func:`graphs_wanted`, no attention)."""
+    if step is None or not graphs_wanted(config, device, None):
+        return {}
+    budget = config.max_num_batched_tokens or config.max_num_seqs * (num_speculative_tokens + 1)
+    graphs: dict[int, LaunchGraphs] = {}
+    pool = None
+    for q in range(2, num_speculative_tokens + 2):
+        if budget // q < 1:
+            break
+        graphs[q] = LaunchGraphs(propose, step, q, min(config.max_num_seqs, budget // q), device, what, pool)
+        graphs[q].capture()
+        pool = graphs[q].pool
+    return graphs
+
+
 def warm_up_eager(fn: StepFn, device: torch.device, block_size: int, max_len: int,
                   rows: Sequence[int] = (1, 2, 8, 16, 48)) -> None:
     """``fn`` run eagerly once over one sequence for each of these row counts at a few context
