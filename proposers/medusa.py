@@ -138,10 +138,9 @@ class MedusaProposer(Proposer):
         c, k = self.config, self.num_speculative_tokens
         if self.device_step is None or k > self.heads.num_heads:
             return
+        rows = max(c.max_num_batched_tokens or 0, c.max_num_seqs * (k + 1))
+        self.states = self.states.new_zeros(rows, self.states.shape[1])
         self.launch_graphs = capture_launches(self._drafts, c, self.device_step, self.device, k, "Medusa heads")
-        if self.launch_graphs:
-            rows = max(c.max_num_batched_tokens or 0, c.max_num_seqs * (k + 1))
-            self.states = self.states.new_zeros(rows, self.states.shape[1])
 
     def _drafts(self, accepted: torch.Tensor, q: int, states: torch.Tensor | None = None) -> torch.Tensor:
         """Each request's greedy drafts ``[n, K]`` from its final state at its newest accepted row
