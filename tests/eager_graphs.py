@@ -55,7 +55,8 @@ def eager_captures(monkeypatch: Any) -> list:
     monkeypatch.setattr(chain_graphs.ProposalGraphs, "capture", capture_proposals)
     monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
     monkeypatch.setattr(feed_graphs.FeedGraphs, "capture", lambda g: capture(g, _step_forward))
-    for module in (draft_model, eagle, mtp):
+    monkeypatch.setattr(step_graphs.LaunchGraphs, "capture", lambda g: capture(g, lambda g, size: g.forward(size)))
+    for module in (draft_model, eagle, mtp, step_graphs):
         monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
     return captured
 

@@ -191,17 +191,16 @@ def check_spec_async_matches_sync(device: str, dtype: str) -> None:
 def check_launch(device: str, method: str = "ngram") -> None:
     """Drafts launched from the device after each greedy verification (n-gram: searched there,
     ``NgramProposer.launch``, ``kernels.ngram``; Medusa: the heads over the verification's states,
-    ``MedusaProposer.launch``), synchronously and with asynchronous scheduling (its verifications
+    ``MedusaProposer.launch``), from their graphs' eager stand-ins on the CPU, synchronously and with asynchronous scheduling (its verifications
     read a step late), against the host's proposals (``device_proposals`` off) and the target
     without drafts: the same greedy output, the same drafts verified at each request and position
-    where both verify all ``K`` (near a request's end the host pads its fewer drafts differently;
-    a step planned before the verification is read keeps fewer of them), and most proposals
-    launched."""
+    but for a request's last steps (there the host drafts fewer and pads them with the last; a step
+    planned before the verification is read keeps fewer of them), and most proposals launched."""
     from pathlib import Path
 
     from specloop import LLM, SamplingParams
 
-    base = [p[:7] for p in prompts(3, seed=31, min_len=7, max_len=12)]
+    base = [p[:7] for p in prompts(4, seed=31, min_len=7, max_len=12)]  # 4: a graph size, no padding
     batch = [{"prompt_token_ids": p + p[:4] + p} for p in base]  # repeats for the lookup to find
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     if method == "ngram":
@@ -211,14 +210,17 @@ def check_launch(device: str, method: str = "ngram") -> None:
         root = Path(__file__).resolve().parent.parent / "default_models"
         path = str(root / "specloop-tiny")
         spec = {"method": method, "num_speculative_tokens": 3, "model": str(root / f"specloop-tiny-{method}")}
-    outs, at, launched = {}, {}, {}
+    outs, at, launched, replays = {}, {}, {}, {}
     # Medusa: what launching changes only (the rest of the path is the n-gram run's).
     modes = ("none", "host", "device", "async") if method == "ngram" else ("host", "device")
     for mode in modes:
-        llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
-                  max_model_len=64, max_num_seqs=4, async_scheduling=mode == "async",
-                  speculative_config=None if mode == "none" else spec,
-                  plugin_options={"gpu": {"device_proposals": mode != "host"}})
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            if device == "cpu":  # the launch graphs' stand-ins
+                eager_captures(monkeypatch)
+            llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
+                      max_model_len=64, max_num_seqs=4, async_scheduling=mode == "async",
+                      speculative_config=None if mode == "none" else spec,
+                      plugin_options={"gpu": {"device_proposals": mode != "host"}})
         try:
             if mode != "none":
                 runner = llm.core.runner
@@ -231,13 +233,18 @@ def check_launch(device: str, method: str = "ngram") -> None:
             outs[mode] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
             if mode != "none":
                 launched[mode] = (sum(d is not None for d in calls), len(calls))
+                replays[mode] = sum(g.num_replays for g in prop.launch_graphs.values())
         finally:
             llm.core.shutdown()
     assert all(outs[m] == outs[modes[0]] for m in outs), outs
     launching = [m for m in modes if m in ("device", "async")]
     assert launched["host"] == (0, 0) and all(launched[m][0] > 5 for m in launching), launched
+    assert all(replays[m] > 5 for m in launching), replays  # one graph replay a launch
     for mode in launching:
-        common = [key for key in at[mode] if len(at["host"].get(key, ())) == spec["num_speculative_tokens"]]
+        # Not the last steps, where the host drafts fewer than K and pads them with the last.
+        k = spec["num_speculative_tokens"]
+        common = [key for key in at[mode] if key in at["host"]
+                  and key[1] + 2 * k < len(batch[int(key[0])]["prompt_token_ids"]) + params.max_tokens]
         assert len(common) > 5, (mode, len(common))
         # Planned before the verification is read (async), a step near a request's end keeps fewer.
         differ = [(key, at[mode][key], at["host"][key]) for key in common
