@@ -76,15 +76,16 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # The whole gpu runner (persistent batch, prepare kernel, fused forward, fast sampler; MLA and
     # fused MoE for DeepSeek-V3) on the CPU: same tokens as the torch runner through chunking, a
     # prefix hit, a seeded sampled request and preemption; grammar masks on the fast sampler with
-    # asynchronous scheduling. CUDA graphs need a GPU (test_gpu_backend.py); their ragged and decode
-    # bodies (the decode graph's own draws) run here as eager stand-ins on the graphs' buffers.
+    # asynchronous scheduling; n-gram and Medusa proposals launched from the device. CUDA graphs need
+    # a GPU (test_gpu_backend.py); their ragged and decode bodies (the decode graph's own draws) and
+    # the launch graphs run here as eager stand-ins on the graphs' buffers.
     _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
 
 
 def test_draft_graph_paths_under_interpreter() -> None:
     # EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers) drafting what
-    # their eager paths draft, EAGLE-3 and MTP proposals launched from the device with their drafts
-    # read a step late (EAGLE-3 through admissions, a preemption and a sampled request; with
+    # their eager paths draft, their proposals launched from the device with their drafts read a
+    # step late (EAGLE-3 through admissions, a preemption and a sampled request; with
     # asynchronous scheduling the verification itself read a step late), and the
     # acceptance-controlled proposer wrapping EAGLE-3 on that path accepting at alpha.
     _run_together(("drafts:eagle3", "ok drafts"), ("drafts:mtp,draft_model,controlled", "ok drafts"),
