@@ -37,7 +37,6 @@ valid (after a launch, the positions up to that verification's first).
 
 from __future__ import annotations
 
-import bisect
 from typing import Iterable
 
 import numpy as np
