@@ -56,7 +56,7 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-300}" python3 -m pytest -v -m gpu -p no:cacheprovider --durations=15 -rfE \
+    tests) stage gpu_tests "${T_TESTS:-300}" python3 -P -m pytest -v -m gpu -p no:cacheprovider --durations=15 -rfE \
              --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py tests/test_gpu_speculation.py \
              tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
@@ -72,7 +72,7 @@ for s in $stages; do
              --ckpt-root "$CKPT" --shapes "${GEMV_SHAPES:-qwen3-0.6b,llama3-8b}" --batch-sizes 1,4 --skinny-gemv
       stage decode_cublas "${T_DECODE_SKINNY:-240}" python3 benchmarks/decode_latency.py --out "$RES/cublas" \
              --ckpt-root "$CKPT" --shapes "${GEMV_SHAPES:-qwen3-0.6b,llama3-8b}" --batch-sizes 1,4 --no-skinny-gemv ;;
-    tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
+    tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
         stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;
     dp) stage data_parallel "${T_DP:-400}" python3 benchmarks/distributed.py --out "$RES/dp" --ckpt-root "$CKPT" \
