@@ -79,7 +79,8 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # asynchronous scheduling; n-gram and Medusa proposals launched from the device. CUDA graphs need
     # a GPU (test_gpu_backend.py); their ragged and decode bodies (the decode graph's own draws) and
     # the launch graphs run here as eager stand-ins on the graphs' buffers.
-    _run("qwen3,llama,deepseek_v3", script=CHECKS.with_name("runner_checks.py"), expect="ok runner")
+    _run_together(("qwen3,llama,deepseek_v3", "ok runner"), ("launch:ngram", "ok launch"),
+                  ("launch:medusa", "ok launch"), script=CHECKS.with_name("runner_checks.py"))
 
 
 def test_draft_graph_paths_under_interpreter() -> None:
