@@ -85,32 +85,57 @@ class FixedPolicy:
 
 class _Acceptance:
     """Accepted / tried counts per draft position (conditional: position i is tried only when every
-    draft before it was accepted), decayed so that recent steps count most."""
+    draft before it was accepted), on two time scales.
 
-    __slots__ = ("accepted", "tried")
+    The short-term counts of every position age at every step that verifies drafts (``age``), also
+    the positions it did not try: acceptance moves with the text being written, and a position
+    past the length running must not keep a figure from a stretch of text long gone. Aged out, a
+    position falls back to what the long-term counts (aged slowly, only by steps that try it)
+    expect of it *now*: its long-run acceptance scaled by how the first position, which every step
+    with drafts tries, stands against its own long run. Without that, a hard stretch of text that
+    drove the policy to length 1 left the deeper positions at that stretch's figures, and kept it at
+    length 1 long after the text turned easy again (while it drafts nothing, nothing ages: its
+    probes measure afresh)."""
+
+    __slots__ = ("accepted", "tried", "long_accepted", "long_tried")
 
     def __init__(self, k: int) -> None:
-        self.accepted = [0.0] * k
-        self.tried = [0.0] * k
+        self.accepted, self.tried = [0.0] * k, [0.0] * k
+        self.long_accepted, self.long_tried = [0.0] * k, [0.0] * k
 
     def add(self, verified: int, accepted: int) -> None:
-        for i in range(min(verified, accepted + 1)):
+        for i in range(min(verified, accepted + 1, len(self.tried))):
             self.tried[i] += 1
             self.accepted[i] += i < accepted
+            self.long_tried[i] += 1
+            self.long_accepted[i] += i < accepted
 
-    def decay(self, factor: float, positions: int) -> None:
-        """Age the first ``positions`` (those a step tried): a position no step tries keeps what
-        it knew, rather than falling back to the prior."""
-        for i in range(min(positions, len(self.tried))):
+    def age(self, factor: float) -> None:
+        """A step verified drafts: every position's short-term counts lose weight, those it
+        did not try too."""
+        for i in range(len(self.tried)):
             self.accepted[i] *= factor
             self.tried[i] *= factor
 
+    def age_long(self, factor: float, positions: int) -> None:
+        """A step tried the first ``positions``: their long-term counts lose weight."""
+        for i in range(min(positions, len(self.tried))):
+            self.long_accepted[i] *= factor
+            self.long_tried[i] *= factor
+
     def expected_tokens(self, length: int, prior: float = 0.5) -> float:
         """Tokens a request commits per step at this length: 1 + the chance that each draft and
-        every one before it are accepted (``prior`` for a position never tried)."""
-        total, reach = 1.0, 1.0
+        every one before it are accepted. A position's chance is its short-term count with one
+        pseudo-count of its long-term expectation (class docstring; ``prior`` for a position never
+        tried)."""
+        total, reach, scale = 1.0, 1.0, 1.0
         for i in range(length):
-            reach *= (self.accepted[i] + prior) / (self.tried[i] + 1.0)
+            long_run = (self.long_accepted[i] + prior) / (self.long_tried[i] + 1.0)
+            expect = min(long_run * scale, 1.0)
+            chance = (self.accepted[i] + expect) / (self.tried[i] + 1.0)
+            if i == 0:
+                scale = chance / long_run
+            reach *= chance
             total += reach
         return total
 
@@ -127,9 +152,11 @@ class AdaptivePolicy:
     over the step's wall time at that length:
 
     * expected tokens come from the acceptance of each draft position (conditional on the earlier
-      ones), over all verified drafts, decayed by ``accept_decay`` per step at the positions the
-      step tried: acceptance moves with the text being written, and whichever length runs
-      measures it (a longer length's extra positions are measured when it runs);
+      ones), over all verified drafts, decayed by ``accept_decay`` per step that verifies drafts,
+      with one pseudo-count of the position's long-run acceptance (decayed by
+      ``long_accept_decay`` per step that tries it) scaled by how the first position stands
+      against its own long run (``_Acceptance``): acceptance moves with the text being written,
+      and the positions past the length running follow the first one;
     * step time is measured per batch-size bucket (a power of two) and length, on steps that ran
       amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
       that overlaps the next, drafting included, and steps that admit requests, where a proposer
@@ -165,7 +192,8 @@ class AdaptivePolicy:
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
                  min_interval: int = 64, max_interval: int = 2048, decay: float = 0.98,
-                 accept_decay: float = 0.95, warmup: int | None = None, recheck: int = 8) -> None:
+                 accept_decay: float = 0.95, long_accept_decay: float = 0.998, warmup: int | None = None,
+                 recheck: int = 8) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
@@ -175,7 +203,7 @@ class AdaptivePolicy:
         # Step times of the engine's first steps are not kept (one-time costs: kernels compiled and
         # tuned, first graph replays, the allocator growing): its first probes of K and 0.
         self.warmup = 2 * probe_len if warmup is None else warmup
-        self.decay, self.accept_decay = decay, accept_decay
+        self.decay, self.accept_decay, self.long_accept_decay = decay, accept_decay, long_accept_decay
         self.lengths = [self.k, *range(self.k)]  # probe order for lengths nobody measured
         self.acceptance = _Acceptance(self.k)
         self.num_steps = 0
@@ -327,7 +355,8 @@ class AdaptivePolicy:
     def observe(self, step: StepObservation) -> None:
         if step.verified:
             reached = max(min(verified, accepted + 1) for _, verified, accepted in step.verified)
-            self.acceptance.decay(self.accept_decay, reached)
+            self.acceptance.age(self.accept_decay)
+            self.acceptance.age_long(self.long_accept_decay, reached)
         for _, verified, accepted in step.verified:
             self.acceptance.add(verified, accepted)
 

@@ -4,6 +4,7 @@ acceptances, and greedy outputs unchanged by whatever it chooses."""
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import pytest
 
@@ -20,7 +21,9 @@ def policy(**kw) -> AdaptivePolicy:
 
 
 class Machine:
-    """Each draft is accepted with probability ``alpha`` (until the first rejection); a step costs
+    """Each draft is accepted with probability ``alpha`` (until the first rejection; a list: per
+    draft position, given every earlier one was accepted; a function ``(request id, drafts) ->
+    accepted``: whatever it says, e.g. read from a text); a step costs
     ``seconds[length]`` (+-20%, random), and a step whose length differs from the previous one's
     costs ``switch`` times as much plus ``entering[length]`` seconds (a pipeline drained, a proposer
     catching up). Reports to the policy as the runner's drafting stage does: the verified drafts of
@@ -32,9 +35,19 @@ class Machine:
         self.lengths: list[int] = []
         self.tokens = self.seconds = 0.0
 
-    def run(self, steps: int, batch: int, alpha: float, seconds: dict[int, float], switch: float = 2.0,
+    def run(self, steps: int, batch: int, alpha: float | list[float] | Callable[[str, int], int],
+            seconds: dict[int, float], switch: float = 2.0,
             entering: dict[int, float] | None = None) -> list[int]:
         ids = [f"r{i}" for i in range(batch)]
+        chances = alpha if isinstance(alpha, list) else [alpha] * K
+
+        def drawn(rid: str, drafts: int) -> int:
+            accepted = 0
+            while accepted < drafts and self.rng.random() < chances[accepted]:
+                accepted += 1
+            return accepted
+
+        draw = alpha if callable(alpha) else drawn
         chosen = []
         last = None  # the previous step: (length, tokens, seconds)
         for _ in range(steps):
@@ -44,10 +57,7 @@ class Machine:
             drafts = self.lengths[-1] if self.lengths else 0  # this step verifies the previous one's
             verified = []
             for rid in ids:
-                accepted = 0
-                while accepted < drafts and self.rng.random() < alpha:
-                    accepted += 1
-                verified.append((rid, drafts, accepted))
+                verified.append((rid, drafts, draw(rid, drafts)))
             tokens = sum(1 + a for _, _, a in verified)
             self.p.observe(StepObservation(batch * (1 + drafts), 0.0, 0.0, n * batch, verified if drafts else []))
             switched = bool(self.lengths) and self.lengths[-1] != n
@@ -82,7 +92,9 @@ def test_it_finds_the_fastest_length_and_keeps_within_a_few_percent_of_it(batch,
 
 def test_it_probes_k_then_0_and_interpolates_the_lengths_between():
     p = policy(probe_len=4)
-    chosen = Machine(p).run(96, 1, 0.7, SMALL)
+    # Acceptance 0.9: K is clearly best (at 0.7 length 2 is within 6% of it, closer than these
+    # few steps, each +-20%, can tell apart).
+    chosen = Machine(p).run(96, 1, 0.9, SMALL)
     # K then 0 in warm-up (steps 1-8; their times, reported up to 6 steps later, dropped), then
     # K and 0 measured; it settles on K (weighing the lengths again every 8 steps), length 1 never
     # run.
@@ -170,6 +182,33 @@ def test_it_follows_the_text_when_acceptance_falls_and_comes_back():
     m.run(1000, 1, 0.7, SMALL)
     assert m.run(500, 1, 0.02, SMALL)[-200:].count(0) > 180  # drafting stopped once it did not pay
     assert m.run(3000, 1, 0.7, SMALL)[-1000:].count(3) > 900  # a probe saw them pay again
+
+
+def test_hard_stretches_of_text_do_not_hold_it_at_a_shorter_length():
+    """Text alternates between easy stretches (every draft likely right: K is best) and hard ones
+    where only the first draft often is (length 1 is best), and entering a length with drafts
+    costs three steps' time. At length 1 the deeper positions go untried; they must follow the
+    first position back up when the text turns easy, not hold the hard stretch's figures (which
+    kept the policy at length 1 through most easy stretches: 0.78-0.87 of the best fixed length)."""
+    easy, hard = [0.85] * K, [0.5, 0.1, 0.1]
+    phases = [(300, easy), (100, hard)] * 15
+    entering = {n: 3 * SMALL[0] if n else 0.0 for n in SMALL}
+
+    def rate(n: int) -> float:  # committed tokens per second over the whole text at fixed length n
+        tokens = 0.0
+        for steps, chances in phases:
+            reach, expected = 1.0, 1.0
+            for c in chances[:n]:
+                reach *= c
+                expected += reach
+            tokens += steps * expected
+        return tokens / (len(phases) // 2 * 400 * SMALL[n])
+
+    for seed in range(3):
+        m = Machine(policy(), seed=seed)
+        for steps, chances in phases:
+            m.run(steps, 1, chances, SMALL, entering=entering)
+        assert m.tokens / m.seconds > 0.93 * max(rate(n) for n in range(K + 1))
 
 
 def test_a_dear_warm_up_does_not_keep_it_off_a_length():
