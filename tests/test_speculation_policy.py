@@ -189,7 +189,7 @@ def test_hard_stretches_of_text_do_not_hold_it_at_a_shorter_length():
     where only the first draft often is (length 1 is best), and entering a length with drafts
     costs three steps' time. At length 1 the deeper positions go untried; they must follow the
     first position back up when the text turns easy, not hold the hard stretch's figures (which
-    kept the policy at length 1 through most easy stretches: 0.78-0.87 of the best fixed length)."""
+    kept the policy at length 1 through most easy stretches: 0.78-0.89 of the best fixed length)."""
     easy, hard = [0.85] * K, [0.5, 0.1, 0.1]
     phases = [(300, easy), (100, hard)] * 15
     entering = {n: 3 * SMALL[0] if n else 0.0 for n in SMALL}
