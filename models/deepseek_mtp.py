@@ -22,6 +22,7 @@ from .config import ModelLoadError, parse_hf_config
 from .deepseek_v3 import build_layer, check_config, load_layer_weight
 from .layers import RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
+from .parallel import ReplicatedLinear
 from .weights import WeightLoader
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(hidden_size, eps)
         self.hnorm = RMSNorm(hidden_size, eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.eh_proj = ReplicatedLinear(2 * hidden_size, hidden_size, bias=False)
         self.block = block
         self.shared_head = nn.ModuleDict({"norm": RMSNorm(hidden_size, eps)})
 

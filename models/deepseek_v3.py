@@ -21,10 +21,13 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
 from .moe import MoE, load_expert_weight
+from .ops import gated_linear, norm_linear
+from .parallel import ReplicatedLinear
 from .weights import WeightLoader
 
 if TYPE_CHECKING:
     from .context import ForwardContext
+    from .ops import Ops
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -33,6 +36,13 @@ def check_config(cfg: ModelConfig) -> None:
                              "and v_head_dim in config.json")
     if cfg.mla.qk_rope_head_dim % 2:
         raise ModelLoadError("qk_rope_head_dim must be even")
+
+
+def _composed_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -48,15 +58,21 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        ops, norm = ctx.ops, self.input_layernorm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        # Each norm runs with the projection after it as one op where the op set fuses them
+        # (``ops.norm_linear``; the few-rows kernels at one row), the router's norm on its own.
+        ops, attn, mlp = ctx.ops, self.self_attn, self.mlp
+        if attn.fused_qkv_a:
+            qkv_a, residual = norm_linear(ops, x, residual, self.input_layernorm, attn.qkv_a_proj)
+            x = attn.attend(qkv_a, positions, ctx)
         else:
-            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        x = self.self_attn(h, positions, ctx)
+            h, residual = _composed_norm(ops, x, residual, self.input_layernorm)
+            x = attn(h, positions, ctx)
+        if isinstance(mlp, GatedMLP):
+            gate_up, residual = norm_linear(ops, x, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+            return gated_linear(ops, gate_up, mlp.down_proj), residual
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return self.mlp(h, ops), residual
+        return mlp(h, ops), residual
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -73,7 +89,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                                       cfg.max_position_embeddings or DEFAULT_MAX_POSITIONS)
         self.layers = nn.ModuleList(build_layer(cfg, i, i, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

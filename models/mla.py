@@ -27,6 +27,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
+from .ops import norm_linear
+from .parallel import ReplicatedLinear
 
 if TYPE_CHECKING:
     from .context import ForwardContext
@@ -52,16 +54,16 @@ class MLAttention(nn.Module):
         self.q_a_size = mla.q_lora_rank or heads * self.qk_head_dim
         self.fused_qkv_a = mla.q_lora_rank is not None or not bias
         if self.fused_qkv_a:
-            self.qkv_a_proj = nn.Linear(hidden, self.q_a_size + mla.latent_dim, bias=bias)
+            self.qkv_a_proj = ReplicatedLinear(hidden, self.q_a_size + mla.latent_dim, bias=bias)
         else:
-            self.q_proj = nn.Linear(hidden, self.q_a_size, bias=False)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+            self.q_proj = ReplicatedLinear(hidden, self.q_a_size, bias=False)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, mla.latent_dim, bias=bias)
         if mla.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.qk_head_dim, bias=False)
+            self.q_b_proj = ReplicatedLinear(mla.q_lora_rank, heads * self.qk_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
+        self.o_proj = ReplicatedLinear(heads * mla.v_head_dim, hidden, bias=bias)
         self.__dict__["rotary"] = rotary  # shared with the other layers, owned by the model
 
     @property
@@ -78,12 +80,19 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.fused_qkv_a:
-            q, latent = self.qkv_a_proj(x).split([self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
-        else:
-            q, latent = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+            return self.attend(self.qkv_a_proj(x), positions, ctx)
+        return self._attend(self.q_proj(x), self.kv_a_proj_with_mqa(x), positions, ctx)
+
+    def attend(self, qkv_a: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layer from ``qkv_a_proj``'s output on (``fused_qkv_a``): for a decoder layer that runs
+        its input norm and that projection as one op (``ops.norm_linear``)."""
+        q, latent = qkv_a.split([self.q_a_size, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+        return self._attend(q, latent, positions, ctx)
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:
         if self.q_lora_rank is not None:
-            norm = self.q_a_layernorm
-            q = self.q_b_proj(ctx.ops.rms_norm(q, norm.weight, norm.eps))
+            q, _ = norm_linear(ctx.ops, q, None, self.q_a_layernorm, self.q_b_proj)
         return self.o_proj(ctx.ops.mla_attention(self, q, latent, positions, ctx))
 
 

@@ -262,8 +262,9 @@ class TritonOps:
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of one row (``kernels.gemv``'s
-    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option): at batch 1 the step is a few
-    hundred small kernels, and each one less saves its launch gap inside the CUDA graph."""
+    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), and a mixture of experts in two
+    (``kernels.skinny_moe``): at batch 1 the step is a few hundred small kernels, and each one less
+    saves its launch gap inside the CUDA graph."""
 
     name = "triton-few-rows"
 
@@ -281,6 +282,16 @@ class FewRowsOps(TritonOps):
 
             return skinny_gated_linear(gate_up, linear.weight, linear.bias)
         return linear(self.silu_and_mul(gate_up))
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+        from specloop.kernels.gemv import ROUTED_ROWS
+
+        if 0 < x.shape[0] <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype:
+            from specloop.kernels.skinny_moe import skinny_moe
+
+            return skinny_moe(x, w13, w2, topk_weights, topk_ids)
+        return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:

@@ -205,6 +205,16 @@ class ColumnParallelLinear(nn.Linear):
         param.narrow(0, offset, shard.size).copy_(source.narrow(0, shard.start, shard.size))
 
 
+class ReplicatedLinear(nn.Linear):
+    """``x W^T + b`` held whole (a model with no tensor-parallel layout, e.g. DeepSeek's latent
+    attention); like the parallel layers, its ``matmul`` can be swapped (the few-rows kernels)."""
+
+    matmul = staticmethod(F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Linear):
     """``x W^T + b`` with the input features split: each rank multiplies its slice of ``x`` (the
     output of a column-parallel layer) by its columns of ``W``; the partial sums are all-reduced and

@@ -474,6 +474,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.rms_norm as rms_norm_mod
     import specloop.kernels.rotary as rotary
     import specloop.kernels.sampling as sampling
+    import specloop.kernels.skinny_moe as skinny_moe
 
     launches: list[tuple[object, dict, dict]] = []
 
@@ -489,7 +490,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, route, matmul, gemv, verify, ngram)
+               moe, skinny_moe, route, matmul, gemv, verify, ngram)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -559,6 +560,9 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 moe.fused_moe(torch.randn(tokens, 2048, dtype=dtype), torch.randn(64, 2816, 2048, dtype=dtype),
                               torch.randn(64, 2048, 1408, dtype=dtype), torch.rand(tokens, 6),
                               torch.randint(0, 64, (tokens, 6)))
+            skinny_moe.skinny_moe(torch.randn(1, 2048, dtype=dtype), torch.randn(66, 2816, 2048, dtype=dtype),
+                                  torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
+                                  torch.randint(0, 66, (1, 8), dtype=torch.int32))
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from specloop.kernels.fused_moe import fused_moe, sort_by_expert
+from specloop.kernels.skinny_moe import skinny_moe
 from specloop.kernels.moe_route import moe_route as moe_route_kernel
 from specloop.kernels.mla_attention import mla_attention
 from specloop.kernels.mla_rope_cache import mla_rope_cache
@@ -135,6 +136,45 @@ def check_fused_moe(device: str, dtype: torch.dtype, cases: list | None = None) 
         assert (expert == -1) == (b >= 4) and all(int(ids.view(-1)[p]) == expert for p in real), (b, expert, real)
 
 
+# (tokens, hidden, expert intermediate, experts, top_k): hidden past one 512-wide chunk, an
+# intermediate size no block divides, every token's picks ending in the same two (shared) experts.
+SKINNY_MOE_CASES = [(1, 600, 40, 10, 4), (3, 64, 24, 6, 3), (4, 32, 17, 5, 5)]
+
+
+def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
+    for tokens, hidden, inter, experts, top_k in SKINNY_MOE_CASES:
+        x = torch.randn(tokens, hidden, dtype=dtype)
+        w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, dtype=dtype) / inter ** 0.5
+        routed = [torch.randperm(experts - 2)[:top_k - 2] for _ in range(tokens)]
+        ids = torch.stack([torch.cat([r, torch.tensor([experts - 2, experts - 1])]) for r in routed]).to(torch.int32)
+        weights = torch.cat([torch.rand(tokens, top_k - 2), torch.ones(tokens, 2)], dim=1)
+        to = lambda t: t.to(device)  # noqa: E731
+        out = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids))
+        assert out.dtype == dtype and out.shape == x.shape
+        case = (tokens, hidden, inter, experts, top_k)
+        err = rel_err(out, reference_moe(x, w13, w2, weights, ids))
+        assert err < TOL[dtype], f"skinny_moe case {case}: rel err {err:.2e}"
+        # Rounded where the grouped kernels round: it agrees with them far closer than with float64.
+        grouped = fused_moe(to(x), to(w13), to(w2), to(weights), to(ids))
+        assert rel_err(out, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case} against fused_moe"
+    # The few-rows op set runs it for a one-token step in half precision, the grouped kernels else.
+    from specloop.models.ops import FEW_ROWS_OPS
+
+    x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
+    for t in (1, 2):
+        kernel = skinny_moe if t == 1 and dtype != torch.float32 else fused_moe
+        got = FEW_ROWS_OPS.fused_moe(x[:t], w13, w2, weights[:t], ids[:t])
+        assert torch.equal(got, kernel(x[:t], w13, w2, weights[:t], ids[:t])), (t, dtype)
+    try:
+        skinny_moe(torch.randn(5, 32, dtype=dtype, device=device), w13.to(device), w2.to(device),
+                   torch.rand(5, 2, device=device), torch.zeros(5, 2, dtype=torch.int32, device=device))
+    except ValueError as e:
+        assert "at most 4 tokens" in str(e)
+    else:
+        raise AssertionError("skinny_moe took 5 tokens")
+
+
 def reference_route(logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return TorchOps().moe_route(logits, bias, moe)
 
@@ -177,4 +217,4 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
 
 
 CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe,
-          "moe_route": check_moe_route}
+          "skinny_moe": check_skinny_moe, "moe_route": check_moe_route}

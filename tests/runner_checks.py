@@ -105,6 +105,43 @@ def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3", 
     return runner
 
 
+def check_few_rows_decode(device: str, variant: str) -> None:
+    """The few-rows kernels (``skinny_gemv``: one-row linear layers with their norm or activation
+    fused in, and for DeepSeek the one-token MoE) decode a lone request in float16 to the same
+    tokens as the gpu runner without them."""
+    import specloop.kernels.gemv as gemv
+    import specloop.kernels.skinny_moe as skinny_moe
+
+    model = tiny(variant)
+    calls = {"linear": 0, "moe": 0}
+    launch, moe = gemv._launch, skinny_moe.skinny_moe
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    outs = {}
+    gemv._launch, skinny_moe.skinny_moe = counted("linear", launch), counted("moe", moe)
+    try:
+        for skinny in (False, True):
+            runner = make_runner(model.path, "gpu", device, "float16", plugin_options={"gpu": {"skinny_gemv": skinny}})
+            plans = Plans(runner, 4, 64)
+            (prompt,) = prompts(1, seed=2, min_len=9, max_len=9)
+            plans.add("a", prompt, GREEDY)
+            plans.run({"a": len(prompt)})
+            for _ in range(8):
+                plans.run({"a": 1})
+            outs[skinny] = plans.reqs["a"].tokens
+            if not skinny:
+                assert calls == {"linear": 0, "moe": 0}, calls
+    finally:
+        gemv._launch, skinny_moe.skinny_moe = launch, moe
+    assert calls["linear"] >= 8 * 4 and (calls["moe"] >= 8 or "deepseek" not in variant), calls
+    assert outs[True] == outs[False], (variant, outs)
+
+
 def check_decode_graph_draws(device: str) -> None:
     """Decode graphs that draw each row's token (eager stand-ins on the CPU): a greedy, a seeded and
     a seeded min-p request decode the torch runner's tokens; the first two take the graph's draws,
@@ -463,6 +500,7 @@ def _main() -> None:
     """``runner_checks.py VARIANT,...``: the runner against the torch runner per model variant, and
     its other paths (ragged and decode-graph stand-ins, asynchronous scheduling, grammar masks);
     ``runner_checks.py launch:NAME,...``: proposals launched from the device (ngram, medusa);
+    ``runner_checks.py few_rows:VARIANT,...``: the few-rows kernels decoding (float16);
     ``runner_checks.py drafts[:NAME,...]``: the proposers' graph paths (eagle3, mtp, draft_model)
     and the acceptance-controlled proposer on the launched path (controlled), all of them or
     those named."""
@@ -476,6 +514,11 @@ def _main() -> None:
             else:
                 check_draft_graphs_match_eager("cpu", name)
         print("ok drafts")
+        return
+    if sys.argv[1].startswith("few_rows:"):
+        for variant in sys.argv[1].partition(":")[2].split(","):
+            check_few_rows_decode("cpu", variant)
+        print("ok few_rows")
         return
     if sys.argv[1].startswith("launch:"):
         for name in sys.argv[1].partition(":")[2].split(","):

@@ -57,7 +57,7 @@ def _run_together(*runs: tuple[str, str], script: Path, timeout: int = 900) -> N
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "moe_route",
+                                   "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "skinny_moe", "moe_route",
                                    "token_bitmask", "verify", "ngram"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")
@@ -78,9 +78,11 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # prefix hit, a seeded sampled request and preemption; grammar masks on the fast sampler with
     # asynchronous scheduling; n-gram and Medusa proposals launched from the device. CUDA graphs need
     # a GPU (test_gpu_backend.py); their ragged and decode bodies (the decode graph's own draws) and
-    # the launch graphs run here as eager stand-ins on the graphs' buffers.
+    # the launch graphs run here as eager stand-ins on the graphs' buffers. The few-rows kernels
+    # (DeepSeek-V3: fused norms, the one-token MoE) decode a lone request in float16 as without them.
     _run_together(("qwen3,llama,deepseek_v3", "ok runner"), ("launch:ngram", "ok launch"),
-                  ("launch:medusa", "ok launch"), script=CHECKS.with_name("runner_checks.py"))
+                  ("launch:medusa", "ok launch"), ("few_rows:deepseek_v3", "ok few_rows"),
+                  script=CHECKS.with_name("runner_checks.py"))
 
 
 def test_draft_graph_paths_under_interpreter() -> None:

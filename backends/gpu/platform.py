@@ -32,7 +32,7 @@ from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
-from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 
 from ..distributed import TensorParallelRunner, launch_model_runner
 from ..executor import EagerExecutor
@@ -122,7 +122,7 @@ def use_few_rows_linear(model: object) -> int:
     ``few_rows_linear`` (its kernel for one-row steps, ``F.linear`` for more); the layers switched."""
     switched = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)):
             module.matmul = few_rows_linear
             switched += 1
     return switched

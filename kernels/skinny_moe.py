@@ -1,0 +1,108 @@
+"""A mixture-of-experts layer for a step of a few tokens (a decode step at batch 1; an MTP draft).
+
+:func:`fused_moe` sorts the (token, expert) pairs by expert and runs two grouped GEMMs on tensor
+cores: right for many tokens, but at one token it is a dozen kernels (the sort's, the buffers'
+zeroing, the activation, the sum over the picks) around two GEMMs whose tiles are 15/16 padding. A
+step of a few tokens only has to read the picked experts' weights once, like a GEMV
+(``kernels.gemv``), so here it takes two kernels:
+
+* gate/up: one program per (pair, block of ``BLOCK_N`` intermediate units) reads those rows of its
+  expert's gate and up projections and writes ``silu(gate) * up`` for the pair;
+* down: one program per (token, block of ``BLOCK_N`` hidden units) runs the token's picks in order,
+  each pick's product scaled by its routing weight, and writes their sum.
+
+Every product accumulates in float32 and is rounded where :func:`fused_moe` rounds it (gate and up,
+the activation, each pick's weighted output; the sum once), and the picks are added in the same
+order every run (no atomics). The shared experts are picks like the others (``models.moe``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 4
+BLOCK_K = 512
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, I, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    gate_rows = w13_ptr + expert * 2 * I * H + cols[:, None].to(tl.int64) * H
+    up_rows = gate_rows + I * H
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = (k0 + ks) < H
+        x = tl.load(x_ptr + token * H + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        mask = col_ok[:, None] & k_ok[None, :]
+        gate += tl.sum(tl.load(gate_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+        up += tl.sum(tl.load(up_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
+    dtype = h_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h = act * up.to(dtype).to(tl.float32)
+    tl.store(h_ptr + pair * I + cols, h.to(dtype), mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):  # in order: the same sum every run
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + expert * H * I + cols[:, None].to(tl.int64) * I
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = (k0 + ks) < I
+            h = tl.load(h_ptr + pair * I + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * h[None, :], 1)
+        total += (acc * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
+
+
+def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, block_n: int = 16, down_block_n: int = 8, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
+    """:func:`~specloop.kernels.fused_moe.fused_moe` for at most ``MAX_TOKENS`` tokens: ``x`` ``[T, H]``
+    (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
+    float32 and ``topk_ids`` int ``[T, top_k]``. Returns ``[T, H]`` in ``x``'s dtype."""
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"the few-tokens MoE takes at most {MAX_TOKENS} tokens, got {tokens}")
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and routing "
+                         f"{tuple(topk_ids.shape)} disagree")
+    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("x needs a unit last stride, the expert weights must be contiguous")
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    x = x.contiguous()
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.contiguous()
+    weights = topk_weights.float().contiguous()
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
+        x, w13, ids, h, inter, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps,
+        num_stages=num_stages)
+    _down_kernel[(tokens, triton.cdiv(hidden, down_block_n))](
+        h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=BLOCK_K,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
