@@ -52,7 +52,7 @@ from specloop.models.parallel import SINGLE
 from .base import DeviceStep, DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .chain_graphs import ChainGraphs, ProposalGraphs, greedy_drafts, greedy_graphed, take_drafts
-from .step_graphs import graphs_wanted
+from .step_graphs import graphs_wanted, verification_shapes
 
 
 class DraftModelProposer(Proposer):
@@ -108,11 +108,8 @@ class DraftModelProposer(Proposer):
             graphs.capture()
             pool = graphs.pool
             self.feed_graphs[q] = graphs
-        budget = c.max_num_batched_tokens or c.max_num_seqs * (k + 1)
-        for q in range(2, k + 2) if self.device_step is not None else ():
-            if budget // q < 1:
-                break
-            graphs = TokenRowProposals(self, self.device_step, q, min(c.max_num_seqs, budget // q), max_len, pool)
+        for q, max_reqs in verification_shapes(c, k) if self.device_step is not None else ():
+            graphs = TokenRowProposals(self, self.device_step, q, max_reqs, max_len, pool)
             graphs.capture()
             pool = graphs.pool
             self.launch_graphs[q] = graphs

@@ -228,20 +228,23 @@ class LaunchGraphs:
         return drafts[:n]
 
 
+def verification_shapes(config: Any, num_speculative_tokens: int) -> list[tuple[int, int]]:
+    """``(q, requests)`` for every verification shape a launched proposal follows: ``q = 2 .. K + 1``
+    rows per request, each for as many requests as the step's token budget allows."""
+    budget = config.max_num_batched_tokens or config.max_num_seqs * (num_speculative_tokens + 1)
+    return [(q, min(config.max_num_seqs, budget // q)) for q in range(2, num_speculative_tokens + 2) if budget >= q]
+
+
 def capture_launches(propose: Callable[[torch.Tensor, int], torch.Tensor], config: Any, step: Any,
                      device: torch.device, num_speculative_tokens: int, what: str) -> dict[int, LaunchGraphs]:
-    """:class:`LaunchGraphs` for every verification shape, ``q = 2 .. K + 1`` rows per request,
-    each for as many requests as the step's token budget allows, in one memory pool; none without
+    """:class:`LaunchGraphs` for every :func:`verification_shapes`, in one memory pool; none without
     the runner's ``step`` or off CUDA graphs (:func:`graphs_wanted`, no attention)."""
     if step is None or not graphs_wanted(config, device, None):
         return {}
-    budget = config.max_num_batched_tokens or config.max_num_seqs * (num_speculative_tokens + 1)
     graphs: dict[int, LaunchGraphs] = {}
     pool = None
-    for q in range(2, num_speculative_tokens + 2):
-        if budget // q < 1:
-            break
-        graphs[q] = LaunchGraphs(propose, step, q, min(config.max_num_seqs, budget // q), device, what, pool)
+    for q, max_reqs in verification_shapes(config, num_speculative_tokens):
+        graphs[q] = LaunchGraphs(propose, step, q, max_reqs, device, what, pool)
         graphs[q].capture()
         pool = graphs[q].pool
     return graphs
