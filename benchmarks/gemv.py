@@ -8,6 +8,11 @@ no call finds its weights in the 50 MB L2 cache left by the one before. Reported
 call, the weight bytes a call reads over that time, and, for the few-rows kernel, its default tile
 and the fastest of the tiles swept (``BLOCK_N`` x ``BLOCK_K`` x warps x stages).
 
+``--moe-shapes`` (default DeepSeek-V2-Lite's) also times a mixture-of-experts layer at one token,
+the grouped GEMMs (``kernels/fused_moe.py``, with their sort) against the two few-tokens kernels
+(``kernels/skinny_moe.py``): each call picks ``top_k`` experts at random (from a fixed list of
+draws, the shared experts always), and the bytes are the picked experts' weights.
+
     python benchmarks/gemv.py --out out/gemv            # on the H200 (the suite's ``gemv`` stage)
     python benchmarks/gemv.py --smoke                   # a check of the script: one shape, interpreter-sized
 """
@@ -29,7 +34,9 @@ if "--smoke" in sys.argv:  # the kernel on the CPU: Triton's interpreter, chosen
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from common import SHAPES  # noqa: E402
 
+from specloop.kernels.fused_moe import fused_moe  # noqa: E402
 from specloop.kernels.gemv import DEFAULT_TILE, choose_block_n, skinny_linear  # noqa: E402
+from specloop.kernels.skinny_moe import skinny_moe  # noqa: E402
 
 
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
@@ -61,6 +68,29 @@ def time_call(fn: Callable[[int], Any], copies: int, calls: int, replays: int) -
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
+def time_moe(shape: str, calls: int, replays: int) -> dict[str, Any]:
+    """One token through a MoE layer of ``shape``: microseconds a call, grouped and few-tokens."""
+    s = SHAPES[shape]
+    h, inter, routed, shared = s["hidden_size"], s["moe_intermediate_size"], s["n_routed_experts"], s["n_shared_experts"]
+    top_k, dev, dtype = s["num_experts_per_tok"], torch.device("cuda"), torch.bfloat16
+    w13 = torch.randn(routed + shared, 2 * inter, h, dtype=dtype, device=dev) * 0.02
+    w2 = torch.randn(routed + shared, h, inter, dtype=dtype, device=dev) * 0.02
+    x = torch.randn(1, h, dtype=dtype, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    draws = [torch.cat([torch.randperm(routed, generator=gen)[:top_k], torch.arange(routed, routed + shared)])
+             .to(torch.int32).view(1, -1).to(dev) for _ in range(64)]
+    weights = torch.cat([torch.rand(1, top_k), torch.ones(1, shared)], dim=1).to(dev)
+    err = ((skinny_moe(x, w13, w2, weights, draws[0]).float() - fused_moe(x, w13, w2, weights, draws[0]).float()).norm()
+           / fused_moe(x, w13, w2, weights, draws[0]).float().norm()).item()
+    grouped = time_call(lambda i: fused_moe(x, w13, w2, weights, draws[i]), len(draws), calls, replays)
+    few = time_call(lambda i: skinny_moe(x, w13, w2, weights, draws[i]), len(draws), calls, replays)
+    size = (top_k + shared) * 3 * inter * h * 2
+    print(f"| {shape} | MoE, 1 token, {top_k} + {shared} experts | {size / 1e6:.0f} MB | grouped {grouped:.1f} us "
+          f"({size / grouped / 1e3:.0f} GB/s) | few-tokens {few:.1f} us ({size / few / 1e3:.0f} GB/s) | "
+          f"{grouped / few:.2f}x | rel. difference {err:.1e} |", flush=True)
+    return dict(shape=shape, layer="moe", bytes=size, grouped_us=grouped, skinny_us=few, rel_diff=err)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gemv")
@@ -71,6 +101,7 @@ def main() -> None:
     parser.add_argument("--rotate-mb", type=int, default=256)
     parser.add_argument("--sweep", default="4,16:256,512:2,4:3",
                         help="BLOCK_N list : BLOCK_K list : warps list : stages list")
+    parser.add_argument("--moe-shapes", default="deepseek-v2-lite", help="MoE layers at one token ('' for none)")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
     args = parser.parse_args()
     if args.smoke:
@@ -123,6 +154,9 @@ def main() -> None:
                       f"{cublas / tiles[best]:.2f}x |", flush=True)
             del weights
             torch.cuda.empty_cache()
+    for shape in filter(None, args.moe_shapes.split(",")):
+        results.append(time_moe(shape, args.calls, args.replays))
+        torch.cuda.empty_cache()
     with open(os.path.join(args.out, "gemv.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 
