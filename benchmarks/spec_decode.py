@@ -35,6 +35,8 @@ real drafting cost, but its drafts are replaced by the target's known greedy con
 run without speculation), each position right with probability A, so speedup can be read against
 acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
 speculation policy choose the speculation length per step (K is then its maximum).
+``--control`` adds an A/A pair per batch size: a second engine without drafts, alternated with the
+first as the engines with drafts are, whose "speedup" should read 1.00x.
 ``--length-zero`` holds every engine with drafts at speculation length 0 (its proposer attached,
 drafting nothing): its speedup is what a proposer costs a step when it drafts nothing.
 ``--continuous`` submits every prompt at once with at most b running (continuous batching, as a
@@ -365,6 +367,9 @@ def main() -> None:
     parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
+    parser.add_argument("--control", action="store_true",
+                        help="also time a second engine without drafts against the first, alternated the same way "
+                             "(an A/A pair: what the order and the second engine's start cost, with nothing to gain)")
     parser.add_argument("--length-zero", action="store_true",
                         help="hold every engine with drafts at speculation length 0 after its warm-up request: "
                              "what a proposer costs when it drafts nothing (speedup ~1 is the aim)")
@@ -408,6 +413,7 @@ def main() -> None:
     report("configuration", {**environment(device), **{k: str(v) for k, v in config.items()}})
 
     results: list[dict[str, Any]] = []
+    controls: list[dict[str, Any]] = []
     for b in args.batch_sizes:
         batch = prompts[:num_prompts(args, b)]
         base = Engine(args, batch, b, None)
@@ -416,6 +422,20 @@ def main() -> None:
         report(f"batch {b}: no speculation", {"seconds": base.seconds, "steps": base.stats["steps"],
                                              "output tok/s": base.stats["output_tokens"] / base.seconds,
                                              "target forward ms/step": 1e3 * base_cost["forward_s"]})
+        if args.control:  # an A/A pair: a second engine without drafts, alternated as the others are
+            other = Engine(args, batch, b, None)
+            base.times.clear()
+            for _ in range(max(args.repeat, 1)):
+                base.run()
+                other.run()
+            controls.append({"batch": b, "speedup": base.seconds / other.seconds, "seconds": other.seconds,
+                             "base_seconds": base.seconds, "runs_seconds": list(other.times),
+                             "base_runs_seconds": list(base.times)})
+            report(f"batch {b}: control (a second engine without drafts)", {
+                "speedup": controls[-1]["speedup"],
+                "all runs (first engine)": " ".join(f"{t:.3f}" for t in other.times)
+                                           + " (" + " ".join(f"{t:.3f}" for t in base.times) + ")"})
+            other.close()
         for method in args.methods:
             for k in args.ks:
                 spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k, "policy": args.policy}
@@ -496,7 +516,10 @@ def main() -> None:
               f"{r['draft_token_cost']:.2f} | {r['step_ratio']:.2f} | {r['speedup']:.2f}x | "
               f"{r['ideal_speedup']:.2f}x | "
               f"{r['efficiency']:.2f} | {'yes' if r['identical'] else 'NO'} |")
-    path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results})
+    for c in controls:
+        print(f"| {c['batch']} | control: no drafts | - | | | | | | | {c['speedup']:.2f}x | | | |")
+    path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results,
+                                          "controls": controls})
     print(f"\nsaved {path}")
 
 
