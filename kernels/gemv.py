@@ -156,13 +156,14 @@ def _num_sms(device: torch.device) -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
-                  num_sms: int | None = None) -> torch.Tensor:
+                  num_sms: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
-    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``tile``: ``(BLOCK_K, warps,
-    stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
+    ``[N, K]`` with a unit last stride (its dtype may differ from ``x``'s: the products are float32);
+    the result has ``out_dtype``, else ``x``'s dtype. ``tile``: ``(BLOCK_K, warps, stages)``;
+    ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
     :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
-    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms)
+    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms, out_dtype=out_dtype)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -206,14 +207,15 @@ def skinny_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre: int,
             tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
             num_sms: int | None = None, residual: torch.Tensor | None = None,
-            norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> torch.Tensor:
+            norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The product over ``x2``'s rows with prologue ``pre`` (0: none; 1: RMSNorm, ``norm`` = (its
     weight, eps, the new residual's buffer); 2: SiLU-and-mul); ``[M, N]``."""
     n, k = weight.shape
     m = x2.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"the few-rows kernel takes at most {MAX_ROWS} rows, got {m}")
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     if m == 0:
         return out
     block_k, num_warps, num_stages = tile

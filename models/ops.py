@@ -283,6 +283,16 @@ class FewRowsOps(TritonOps):
             return skinny_gated_linear(gate_up, linear.weight, linear.bias)
         return linear(self.silu_and_mul(gate_up))
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from specloop.kernels.gemv import ROUTED_ROWS
+
+        if 0 < x.shape[0] <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+            from specloop.kernels.gemv import skinny_linear
+
+            # float32 products of the half-precision input with the float32 router, no cast kernel
+            return skinny_linear(x, weight, split=1, out_dtype=torch.float32)
+        return F.linear(x.float(), weight)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
         from specloop.kernels.gemv import ROUTED_ROWS
@@ -318,6 +328,13 @@ def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: 
     fused = getattr(ops, "norm_linear", None)
     return fused(x, residual, norm, linear) if fused is not None else _composed_norm_linear(ops, x, residual, norm,
                                                                                            linear)
+
+
+def router_logits(ops: Ops, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A MoE router's float32 logits ``x.float() @ weight.T``, through ``ops.router_logits`` when the
+    set has its own."""
+    own = getattr(ops, "router_logits", None)
+    return own(x, weight) if own is not None else F.linear(x.float(), weight)
 
 
 def gated_linear(ops: Ops, gate_up: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:

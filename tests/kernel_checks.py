@@ -560,6 +560,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 moe.fused_moe(torch.randn(tokens, 2048, dtype=dtype), torch.randn(64, 2816, 2048, dtype=dtype),
                               torch.randn(64, 2048, 1408, dtype=dtype), torch.rand(tokens, 6),
                               torch.randint(0, 64, (tokens, 6)))
+            gemv.skinny_linear(torch.randn(1, 2048, dtype=dtype), torch.randn(64, 2048), split=1,
+                               out_dtype=torch.float32)  # a MoE router: float32 weight and logits
             skinny_moe.skinny_moe(torch.randn(1, 2048, dtype=dtype), torch.randn(66, 2816, 2048, dtype=dtype),
                                   torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
                                   torch.randint(0, 66, (1, 8), dtype=torch.int32))

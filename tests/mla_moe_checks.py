@@ -166,6 +166,10 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
         kernel = skinny_moe if t == 1 and dtype != torch.float32 else fused_moe
         got = FEW_ROWS_OPS.fused_moe(x[:t], w13, w2, weights[:t], ids[:t])
         assert torch.equal(got, kernel(x[:t], w13, w2, weights[:t], ids[:t])), (t, dtype)
+        # The router's float32 logits (a float32 weight; one kernel at one token in half precision).
+        router = torch.randn(experts, hidden, device=device) / hidden ** 0.5
+        logits = FEW_ROWS_OPS.router_logits(x[:t], router)
+        assert logits.dtype == torch.float32 and rel_err(logits, x[:t].double() @ router.double().T) < 1e-5, t
     try:
         skinny_moe(torch.randn(5, 32, dtype=dtype, device=device), w13.to(device), w2.to(device),
                    torch.rand(5, 2, device=device), torch.zeros(5, 2, dtype=torch.int32, device=device))
