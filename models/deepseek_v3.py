@@ -21,13 +21,12 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
 from .moe import MoE, load_expert_weight
-from .ops import gated_linear, norm_linear
+from .ops import add_norm, gated_linear, norm_linear
 from .parallel import ReplicatedLinear
 from .weights import WeightLoader
 
 if TYPE_CHECKING:
     from .context import ForwardContext
-    from .ops import Ops
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -36,13 +35,6 @@ def check_config(cfg: ModelConfig) -> None:
                              "and v_head_dim in config.json")
     if cfg.mla.qk_rope_head_dim % 2:
         raise ModelLoadError("qk_rope_head_dim must be even")
-
-
-def _composed_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is None:
-        return ops.rms_norm(x, norm.weight, norm.eps), x
-    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -65,7 +57,7 @@ class DeepseekDecoderLayer(nn.Module):
             qkv_a, residual = norm_linear(ops, x, residual, self.input_layernorm, attn.qkv_a_proj)
             x = attn.attend(qkv_a, positions, ctx)
         else:
-            h, residual = _composed_norm(ops, x, residual, self.input_layernorm)
+            h, residual = add_norm(ops, x, residual, self.input_layernorm)
             x = attn(h, positions, ctx)
         if isinstance(mlp, GatedMLP):
             gate_up, residual = norm_linear(ops, x, residual, self.post_attention_layernorm, mlp.gate_up_proj)

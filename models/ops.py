@@ -313,11 +313,17 @@ def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:
             and getattr(getattr(linear, "tp", None), "size", 1) == 1)
 
 
+def add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm(residual + x)`` and the new residual (``x`` itself when ``residual`` is None)."""
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+
 def _composed_norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
                           linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is None:
-        return linear(ops.rms_norm(x, norm.weight, norm.eps)), x
-    h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    h, residual = add_norm(ops, x, residual, norm)
     return linear(h), residual
 
 
