@@ -156,14 +156,13 @@ def _num_sms(device: torch.device) -> int:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
-                  num_sms: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  num_sms: int | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
-    ``[N, K]`` with a unit last stride (its dtype may differ from ``x``'s: the products are float32);
-    the result has ``out_dtype``, else ``x``'s dtype. ``tile``: ``(BLOCK_K, warps, stages)``;
-    ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
+    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``tile``: ``(BLOCK_K, warps,
+    stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
     :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
-    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms, out_dtype=out_dtype)
+    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -173,7 +172,8 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     """A decoder layer's RMSNorm and the projection after it in one kernel: ``F.linear(rms_norm(x +
     residual), weight, bias)`` and the new residual ``x + residual`` (``x`` itself without one), both
     rounded as ``ops.add_rms_norm`` rounds them. ``x`` and ``residual``: ``[rows, K]``, at most
-    ``MAX_ROWS`` rows."""
+    ``MAX_ROWS`` rows. ``out_dtype`` (a keyword) sets the product's dtype, ``x``'s by default: a MoE
+    router's float32 weight and logits (the products are float32 either way)."""
     x2, n, k = linear_rows(x, weight)
     if norm_weight.shape != (k,):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match {k} features")

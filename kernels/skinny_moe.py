@@ -13,7 +13,9 @@ step of a few tokens only has to read the picked experts' weights once, like a G
 
 Every product accumulates in float32 and is rounded where :func:`fused_moe` rounds it (gate and up,
 the activation, each pick's weighted output; the sum once), and the picks are added in the same
-order every run (no atomics). The shared experts are picks like the others (``models.moe``).
+order every run (no atomics). The shared experts are picks like the others (``models.moe``). The
+RMSNorm before the layer can run inside the gate/up kernel (``norm``: every program recomputes
+its token's statistics, reading the row from L2), rounded as the norm kernel rounds it.
 """
 
 from __future__ import annotations
@@ -27,14 +29,22 @@ BLOCK_K = 512
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, I, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NORM: tl.constexpr):
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
+    dtype = h_ptr.dtype.element_ty
+    rstd = 0.0
+    if NORM:  # RMSNorm of the token's row: every program reads it whole (from L2)
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            v = tl.load(x_ptr + token * H + k0 + ks, mask=(k0 + ks) < H, other=0.0).to(tl.float32)
+            ss += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / H + eps)
     gate_rows = w13_ptr + expert * 2 * I * H + cols[:, None].to(tl.int64) * H
     up_rows = gate_rows + I * H
     gate = tl.zeros([BLOCK_N], tl.float32)
@@ -42,10 +52,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, h_ptr, I, H, TOP_K: tl.constexpr, B
     for k0 in range(0, H, BLOCK_K):
         k_ok = (k0 + ks) < H
         x = tl.load(x_ptr + token * H + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:  # rounded as the unfused norm rounds
+            normed = (x * rstd).to(dtype).to(tl.float32)
+            x = (normed * tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         mask = col_ok[:, None] & k_ok[None, :]
         gate += tl.sum(tl.load(gate_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
         up += tl.sum(tl.load(up_rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x[None, :], 1)
-    dtype = h_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     h = act * up.to(dtype).to(tl.float32)
@@ -76,11 +88,13 @@ def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.c
 
 
 def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, block_n: int = 16, down_block_n: int = 8, num_warps: int = 4,
-               num_stages: int = 3) -> torch.Tensor:
+               topk_ids: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, block_n: int = 16,
+               down_block_n: int = 8, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """:func:`~specloop.kernels.fused_moe.fused_moe` for at most ``MAX_TOKENS`` tokens: ``x`` ``[T, H]``
     (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
-    float32 and ``topk_ids`` int ``[T, top_k]``. Returns ``[T, H]`` in ``x``'s dtype."""
+    float32 and ``topk_ids`` int ``[T, top_k]``. With ``norm`` (an RMSNorm's weight and eps) the
+    experts read ``rms_norm(x)``, computed inside the gate/up kernel. Returns ``[T, H]`` in ``x``'s
+    dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -99,9 +113,10 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     ids = topk_ids.contiguous()
     weights = topk_weights.float().contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
-        x, w13, ids, h, inter, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=num_warps,
-        num_stages=num_stages)
+        x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        NORM=norm is not None, num_warps=num_warps, num_stages=num_stages)
     _down_kernel[(tokens, triton.cdiv(hidden, down_block_n))](
         h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=BLOCK_K,
         num_warps=num_warps, num_stages=num_stages)

@@ -21,7 +21,7 @@ from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
 from .moe import MoE, load_expert_weight
-from .ops import add_norm, gated_linear, norm_linear
+from .ops import add_norm, gated_linear, norm_linear, norm_moe
 from .parallel import ReplicatedLinear
 from .weights import WeightLoader
 
@@ -50,8 +50,8 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs with the projection after it as one op where the op set fuses them
-        # (``ops.norm_linear``; the few-rows kernels at one row), the router's norm on its own.
+        # Each norm runs with the projection (or the experts) after it as one op where the op set
+        # fuses them (``ops.norm_linear``, ``ops.norm_moe``: the few-rows kernels at one row).
         ops, attn, mlp = ctx.ops, self.self_attn, self.mlp
         if attn.fused_qkv_a:
             qkv_a, residual = norm_linear(ops, x, residual, self.input_layernorm, attn.qkv_a_proj)
@@ -62,9 +62,7 @@ class DeepseekDecoderLayer(nn.Module):
         if isinstance(mlp, GatedMLP):
             gate_up, residual = norm_linear(ops, x, residual, self.post_attention_layernorm, mlp.gate_up_proj)
             return gated_linear(ops, gate_up, mlp.down_proj), residual
-        norm = self.post_attention_layernorm
-        h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return mlp(h, ops), residual
+        return norm_moe(ops, x, residual, self.post_attention_layernorm, mlp)
 
 
 class DeepseekV3ForCausalLM(nn.Module):

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
-from .ops import router_logits
 from .weights import WeightLoader
 
 
@@ -61,7 +61,7 @@ class MoE(nn.Module):
         self.experts = Experts(hidden_size, moe)
 
     def forward(self, x: torch.Tensor, ops: _MoEOps) -> torch.Tensor:
-        logits = router_logits(ops, x, self.gate.weight)
+        logits = F.linear(x.float(), self.gate.weight)
         weights, ids = ops.moe_route(logits, self.gate.e_score_correction_bias, self.config)
         return ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
 

@@ -262,8 +262,9 @@ class TritonOps:
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of one row (``kernels.gemv``'s
-    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), and a mixture of experts in two
-    (``kernels.skinny_moe``): at batch 1 the step is a few hundred small kernels, and each one less
+    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), and a mixture of experts with the
+    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two): at
+    batch 1 the step is a few hundred small kernels, and each one less
     saves its launch gap inside the CUDA graph."""
 
     name = "triton-few-rows"
@@ -283,15 +284,23 @@ class FewRowsOps(TritonOps):
             return skinny_gated_linear(gate_up, linear.weight, linear.bias)
         return linear(self.silu_and_mul(gate_up))
 
-    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def norm_moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+                 moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         from specloop.kernels.gemv import ROUTED_ROWS
 
-        if 0 < x.shape[0] <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16):
-            from specloop.kernels.gemv import skinny_linear
+        w13 = moe.experts.w13
+        if (residual is None or not 0 < x.shape[0] <= ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
+                or w13.dtype != x.dtype):
+            return _composed_norm_moe(self, x, residual, norm, moe)
+        from specloop.kernels.gemv import skinny_norm_linear
+        from specloop.kernels.skinny_moe import skinny_moe
 
-            # float32 products of the half-precision input with the float32 router, no cast kernel
-            return skinny_linear(x, weight, split=1, out_dtype=torch.float32)
-        return F.linear(x.float(), weight)
+        # The norm runs inside the router's product (float32 weights and logits, which also writes
+        # the residual sum) and again inside the experts' gate/up kernel, from that sum.
+        logits, residual = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
+                                              out_dtype=torch.float32)
+        weights, ids = self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config)
+        return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), residual
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
@@ -336,11 +345,18 @@ def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: 
                                                                                            linear)
 
 
-def router_logits(ops: Ops, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A MoE router's float32 logits ``x.float() @ weight.T``, through ``ops.router_logits`` when the
-    set has its own."""
-    own = getattr(ops, "router_logits", None)
-    return own(x, weight) if own is not None else F.linear(x.float(), weight)
+def _composed_norm_moe(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+                       moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    h, residual = add_norm(ops, x, residual, norm)
+    return moe(h, ops), residual
+
+
+def norm_moe(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
+             moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe(norm(residual + x))`` (a ``models.moe.MoE``) and the new residual, through
+    ``ops.norm_moe`` when the set fuses the norm into the experts' kernels."""
+    fused = getattr(ops, "norm_moe", None)
+    return fused(x, residual, norm, moe) if fused is not None else _composed_norm_moe(ops, x, residual, norm, moe)
 
 
 def gated_linear(ops: Ops, gate_up: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:

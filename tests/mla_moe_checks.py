@@ -166,10 +166,32 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
         kernel = skinny_moe if t == 1 and dtype != torch.float32 else fused_moe
         got = FEW_ROWS_OPS.fused_moe(x[:t], w13, w2, weights[:t], ids[:t])
         assert torch.equal(got, kernel(x[:t], w13, w2, weights[:t], ids[:t])), (t, dtype)
-        # The router's float32 logits (a float32 weight; one kernel at one token in half precision).
-        router = torch.randn(experts, hidden, device=device) / hidden ** 0.5
-        logits = FEW_ROWS_OPS.router_logits(x[:t], router)
-        assert logits.dtype == torch.float32 and rel_err(logits, x[:t].double() @ router.double().T) < 1e-5, t
+    # The norm before the experts inside the gate/up kernel, rounded as the norm kernel rounds it.
+    from specloop.models.ops import TRITON_OPS, norm_moe
+
+    nw = (torch.rand(x.shape[1], device=device) + 0.5).to(dtype)
+    normed = skinny_moe(x[:1], w13, w2, weights[:1], ids[:1], norm=(nw, 1e-6))
+    plain = skinny_moe(TRITON_OPS.rms_norm(x[:1], nw, 1e-6), w13, w2, weights[:1], ids[:1])
+    assert rel_err(normed, plain) < TOL[dtype] / 4, "skinny_moe's norm differs"
+    # A MoE layer with its norm (norm_moe): at one token in half precision the norm runs inside the
+    # router's product and the experts' kernel; same result as the norm, the router and the experts.
+    from specloop.models.layers import RMSNorm
+    from specloop.models.moe import MoE
+
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=24, num_shared_experts=2, first_dense_layers=0,
+                    layer_freq=1, scoring="softmax", topk_method="greedy", num_groups=1, topk_groups=1,
+                    norm_topk_prob=False, routed_scaling_factor=1.0)
+    layer, norm = MoE(64, cfg).to(device), RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.3)
+        layer.experts.w13.data = (torch.randn(8, 48, 64, device=device) / 8).to(dtype)
+        layer.experts.w2.data = (torch.randn(8, 64, 24, device=device) / 5).to(dtype)
+        norm.weight.uniform_(0.5, 1.5)
+        for t in (1, 2):
+            h, r = torch.randn(t, 64, dtype=dtype, device=device), torch.randn(t, 64, dtype=dtype, device=device)
+            got, got_r = norm_moe(FEW_ROWS_OPS, h, r.clone(), norm, layer)
+            want, want_r = norm_moe(TRITON_OPS, h, r.clone(), norm, layer)
+            assert torch.equal(got_r, want_r) and rel_err(got, want) < TOL[dtype], (t, dtype)
     try:
         skinny_moe(torch.randn(5, 32, dtype=dtype, device=device), w13.to(device), w2.to(device),
                    torch.rand(5, 2, device=device), torch.zeros(5, 2, dtype=torch.int32, device=device))
