@@ -30,8 +30,8 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
 
 def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
-    gpu = {name: value for name, value in (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling))
-           if value is not None}
+    flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl))
+    gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
 
@@ -104,6 +104,8 @@ def main() -> None:
                         help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
     parser.add_argument("--graph-sampling", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's graph_sampling option (decode graphs draw their tokens; on by default)")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's pdl option (programmatic dependent launch; on by default on Hopper)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -8,7 +8,8 @@ random MTP layer (``common.SHAPES["deepseek-v2-lite"]``).
   without speculation (ms per engine step), then with ``{"method": "mtp", "num_speculative_tokens":
   1}``, timing each call of the proposer (device-synchronised: the layer over the step's verified
   positions plus one draft). Ratio = median draft step / median target decode step. Random weights
-  accept few drafts, which does not change a step's cost; greedy outputs must be identical.
+  accept few drafts, which does not change a step's cost; greedy outputs must be identical in
+  float32 (in bf16 the sequences may part at a near-tie: reported, not an error).
 
     python benchmarks/mtp_cost.py --out out/bench            # H200
     python benchmarks/mtp_cost.py --smoke                     # CPU, the tiny DeepSeek shape
@@ -85,6 +86,7 @@ def main() -> None:
 
     plain = LLM(path, **engine)
     runner = plain.core.runner
+    exact = runner.dtype == torch.float32
     size = runner.dtype.itemsize  # 2 in bf16 on the GPU; float32 on a CPU
     latent = cfg.mla.latent_dim * cfg.num_layers * size
     expanded = s["num_attention_heads"] * (s["qk_nope_head_dim"] + s["qk_rope_head_dim"] + s["v_head_dim"]) \
@@ -129,12 +131,17 @@ def main() -> None:
         "spec engine step ms (median)": 1e3 * float(np.median(spec_steps[1:])),
         "draft acceptance (random weights)": metrics.get("spec_acceptance_rate"),
         "greedy identical": got == want,
+        "tokens equal before they part": next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                                              min(len(got), len(want))),
     }
     report("MTP step cost, batch 1", result)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times})
     spec.core.shutdown()
-    if got != want:
+    # In half precision a one-token decode step and a two-token verification run different kernels
+    # (the few-rows ones take one row), and random weights put near-ties everywhere: the sequences
+    # may part (the GPU tests check identity on the trained model); in float32 they must not.
+    if got != want and exact:
         raise SystemExit("greedy output with MTP differs from the output without it")
 
 

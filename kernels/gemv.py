@@ -31,7 +31,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
 from .matmul import linear_rows
+from .pdl import prefetch_l2, wait_previous
 
 MAX_ROWS = 4
 # The steps the runner routes to the kernel: one row. On the H200 it runs a decode projection of
@@ -69,11 +71,19 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K,
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_per_split,
                  stride_xm, stride_wn, stride_om, eps,
                  M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr,
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH > 0:  # while the kernel before still runs: this program's weights into L2
+        starts = k_start + tl.arange(0, PREFETCH) * LINE
+        ok = col_ok[:, None] & (starts < k_end)[None, :]
+        prefetch_l2(w_ptr + tl.where(ok, cols[:, None].to(tl.int64) * stride_wn + starts[None, :], 0))
+    wait_previous(PDL)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -95,8 +105,6 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, N, K
                 vf = v.to(tl.float32)
                 ss += vf * vf
             rstds = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps), rstds)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + ks) < k_end
@@ -118,7 +126,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, N, K
 
 @triton.jit
 def _sum_splits_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -228,15 +237,21 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     has_bias = bias is not None
     norm_weight, eps, new_residual = norm if norm is not None else (weight, 0.0, x2)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    launch = pdl.launch_options(x2.device)
+    prefetch = 0  # L2 lines a weight row, a power of two, at most 2,048 requests a program
+    if launch["PDL"]:
+        line = pdl.LINE_BYTES // weight.element_size()
+        prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
         bias if has_bias else weight, target, m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE=pre, HAS_RES=residual is not None, num_warps=num_warps, num_stages=num_stages)
+        PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
+        num_warps=num_warps, num_stages=num_stages, **launch)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),
-                                                       HAS_BIAS=has_bias, SPLIT=split, BLOCK=block)
+                                                       HAS_BIAS=has_bias, SPLIT=split, BLOCK=block, **launch)
     return out
 
 

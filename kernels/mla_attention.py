@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .paged_attention import _UNSPECIALIZED, _find_seq, _reduce_splits_kernel, _unused_parts, prefill_splits
+from .pdl import wait_previous
 
 BLOCK_H_MAX = 16  # heads per program
 BLOCK_N = 32  # keys per tile: a [RANK, 32] bf16 tile of DeepSeek's 512-wide latent is 32 KiB
@@ -37,8 +39,9 @@ def _mla_attention_kernel(
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr,
     ROPE_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     pid_q = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,10 +185,12 @@ def mla_attention(
         BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=BLOCK_N, DECODE=decode, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32",
         num_warps=8 if rows >= 32 else 4, num_stages=1 if q_nope.dtype == torch.float32 else 2,
+        **pdl.launch_options(q_nope.device),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_heads, HEAD_DIM=rank, HEAD_DIM_PAD=rank_pad, NUM_SPLITS=num_splits,
+            **pdl.launch_options(q_nope.device),
         )
     return out

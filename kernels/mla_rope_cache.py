@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
 from .qk_rope_cache import _rope
 
 
@@ -22,8 +24,9 @@ def _mla_rope_cache_kernel(
     q_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, eps, cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_lt, stride_cb, stride_cs,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
@@ -82,4 +85,5 @@ def mla_rope_cache(q_rope: torch.Tensor, latent: torch.Tensor, positions: torch.
         q_rope.stride(0), q_rope.stride(1), latent.stride(0), cache.stride(0), cache.stride(1),
         NUM_HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
         HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE_SIZE=cache.shape[1], num_warps=4,
+        **pdl.launch_options(q_rope.device),
     )

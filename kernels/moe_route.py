@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
+
 
 @triton.jit
 def _moe_route_kernel(
@@ -22,7 +25,9 @@ def _moe_route_kernel(
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EXPERTS_PAD)
     ok = e < NUM_EXPERTS
@@ -93,5 +98,6 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_s
         GROUPS_PAD=triton.next_power_of_2(num_groups), TOPK_GROUPS=topk_groups, TOP_K=top_k, NUM_SHARED=num_shared,
         PICKS_PAD=triton.next_power_of_2(picks), SOFTMAX=softmax, HAS_BIAS=bias is not None,
         GROUP_BY_TOP2=group_by_top2, RENORMALIZE=renormalize, num_warps=4 if experts >= 128 else 1,
+        **pdl.launch_options(logits.device),
     )
     return weights, ids

@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
+
 
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
@@ -69,7 +72,9 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,7 +161,9 @@ def _reduce_splits_kernel(
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -296,6 +303,7 @@ def paged_attention(
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
         num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_options(q.device),
     )
     if num_splits > 1:
         # Every (token, head, split) slot of a real token is written, with l = 0 for empty splits;
@@ -303,5 +311,6 @@ def paged_attention(
         _reduce_splits_kernel[(num_tokens, num_q_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            **pdl.launch_options(q.device),
         )
     return out

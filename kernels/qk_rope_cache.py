@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
+
 
 @triton.jit
 def _norm_heads(x1, x2, w_ptr, eps, HALF: tl.constexpr):
@@ -50,7 +53,9 @@ def _qk_rope_cache_kernel(
     stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
     HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -126,5 +131,6 @@ def qk_rope_cache(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, positi
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         Q_PAD=triton.next_power_of_2(num_q_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, PAGE_SIZE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4,
+        **pdl.launch_options(qkv.device),
     )
     return q

@@ -12,13 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     inner, stride_x0, stride_x1, stride_r0, stride_r1, stride_o0, stride_o1,
     eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     # Row r is (r // inner, r % inner) of a [rows, inner, N] view: per-head norms work in place on
     # the q/k slices of a fused projection without a copy.
     r = tl.program_id(0).to(tl.int64)
@@ -70,5 +75,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3, r3, weight, o3, x3.shape[1],
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), o3.stride(0), o3.stride(1), eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 256)),
+        **pdl.launch_options(x.device),
     )
     return out

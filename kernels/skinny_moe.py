@@ -24,13 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import wait_previous
+
 MAX_TOKENS = 4
 BLOCK_K = 512
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -66,7 +70,8 @@ def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
@@ -116,8 +121,8 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        NORM=norm is not None, num_warps=num_warps, num_stages=num_stages)
+        NORM=norm is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
     _down_kernel[(tokens, triton.cdiv(hidden, down_block_n))](
         h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=BLOCK_K,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
     return out

@@ -468,6 +468,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.moe_route as route
     import specloop.kernels.ngram as ngram
     import specloop.kernels.paged_attention as attention
+    import specloop.kernels.pdl as pdl
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.verify as verify
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -485,7 +486,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
         def __getitem__(self, grid: object):
             def launch(*args, **kwargs):
                 names = self.fn.arg_names
-                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
@@ -494,6 +495,9 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
+    # As on the H200: programmatic dependent launch on (the kernels' waits, the weights' prefetch).
+    saved.append((pdl, "launch_options", pdl.launch_options))
+    pdl.launch_options = lambda device: {"PDL": True, "launch_pdl": True}
     try:
         for dtype in (torch.bfloat16,):
             q, kc, vc, qsl, seq_lens, bt = _ragged_batch([1, 1, 300], [500, 9, 0], 16, 8, 128, 16, "cpu", dtype)

@@ -213,3 +213,31 @@ def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str) -> None:
         # most must still agree throughout.
         same = sum(a == b for a, b in zip(outputs[False], outputs[True]))
         assert same >= len(batch) // 2, f"only {same} of {len(batch)} sequences equal"
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3"])
+def test_programmatic_dependent_launch_changes_no_bit(variant: str) -> None:
+    """The ``pdl`` option overlaps each kernel with the one before it (``kernels.pdl``); the same
+    kernels then run the same sums, so a race (a kernel reading what its predecessor has not
+    written yet) is the only way the outputs could differ. bf16, CUDA graphs, one request alone
+    (the few-rows kernels) and eight together; token ids and logprobs bit for bit."""
+    from specloop import LLM, SamplingParams
+    from specloop.kernels import pdl
+
+    model = tiny(variant)
+    batch = prompts(8, seed=21, min_len=5, max_len=200)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    results = {}
+    for on in (True, False):
+        llm = LLM(model.path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
+                  plugin_options={"gpu": {"pdl": on}})
+        assert pdl.enabled(torch.device("cuda")) == (on and pdl.supported(torch.device("cuda")))
+        alone = llm.generate([batch[0]], params, use_tqdm=False)
+        together = llm.generate(batch, params, use_tqdm=False)
+        results[on] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.outputs[0].logprobs)
+                       for o in alone + together]
+        assert llm.core.runner.parts.executor.num_replays > 0, "the decode steps did not replay CUDA graphs"
+        llm.core.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert results[True] == results[False]

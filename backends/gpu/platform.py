@@ -18,7 +18,10 @@ and activation into them, ``models.ops.FewRowsOps``) and ``graph_sampling`` (def
 step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only) and
 ``late_verification`` (default on, with asynchronous scheduling and ``device_proposals``: a greedy
 verification whose next proposal launched from the device is read a step late, the next step
-planned as if every draft were accepted, ``backends.pending.read_later``). Any other key is refused.
+planned as if every draft were accepted, ``backends.pending.read_later``) and ``pdl`` (default on:
+the decode path's Triton kernels launch with programmatic dependent launch where the device has it,
+compute capability 9.0 on, so each starts, and fetches its weights into L2, while the one before
+it finishes; ``kernels.pdl``). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
+from specloop.kernels import pdl
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
@@ -52,7 +56,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification")
+               "late_verification", "pdl")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -65,6 +69,7 @@ class GpuPlatform:
         self.device_proposals = bool(opts.get("device_proposals", True))
         self.graph_sampling = bool(opts.get("graph_sampling", True))
         self.late_verification = bool(opts.get("late_verification", True))
+        self.pdl = bool(opts.get("pdl", True))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -80,6 +85,9 @@ class GpuPlatform:
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
         c = runner.config
+        pdl.set_enabled(self.pdl)
+        if pdl.enabled(runner.device):
+            logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:
             logger.info("batch-invariant kernels in %d linear layers", make_batch_invariant(runner))
         if self.skinny_gemv:
