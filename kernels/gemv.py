@@ -239,7 +239,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     launch = pdl.launch_options(x2.device)
     prefetch = 0  # L2 lines a weight row, a power of two, at most 2,048 requests a program
-    if launch["PDL"]:
+    if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(x2.device):
         line = pdl.LINE_BYTES // weight.element_size()
         prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
     _gemv_kernel[(triton.cdiv(n, block_n), split)](

@@ -496,8 +496,9 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
     # As on the H200: programmatic dependent launch on (the kernels' waits, the weights' prefetch).
-    saved.append((pdl, "launch_options", pdl.launch_options))
+    saved += [(pdl, "launch_options", pdl.launch_options), (pdl, "prefetch_budget", pdl.prefetch_budget)]
     pdl.launch_options = lambda device: {"PDL": True, "launch_pdl": True}
+    pdl.prefetch_budget = lambda device: 1 << 30
     try:
         for dtype in (torch.bfloat16,):
             q, kc, vc, qsl, seq_lens, bt = _ragged_batch([1, 1, 300], [500, 9, 0], 16, 8, 128, 16, "cpu", dtype)

@@ -216,13 +216,20 @@ def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3"])
-def test_programmatic_dependent_launch_changes_no_bit(variant: str) -> None:
+def test_programmatic_dependent_launch_changes_no_bit(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``pdl`` option overlaps each kernel with the one before it (``kernels.pdl``); the same
     kernels then run the same sums, so a race (a kernel reading what its predecessor has not
     written yet) is the only way the outputs could differ. bf16, CUDA graphs, one request alone
-    (the few-rows kernels) and eight together; token ids and logprobs bit for bit."""
+    (the few-rows kernels) and eight together; token ids and logprobs bit for bit. The decode
+    attention tile is fixed (timed at start-up, two engines could pick two tiles)."""
     from specloop import LLM, SamplingParams
+    from specloop.backends.gpu.triton_attention import TritonAttentionBackend
     from specloop.kernels import pdl
+
+    def first_tile(backend: TritonAttentionBackend, *args: object) -> None:
+        backend.decode_config = backend.DECODE_CONFIGS[0]
+
+    monkeypatch.setattr(TritonAttentionBackend, "tune_decode", first_tile)
 
     model = tiny(variant)
     batch = prompts(8, seed=21, min_len=5, max_len=200)

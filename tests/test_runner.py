@@ -332,3 +332,29 @@ def test_target_graphs_are_chosen_by_shape() -> None:
         assert graphs.graph_for(plan([5, 5])) == (GraphKey(0, 8, 1, 128) if ragged else None)
         assert graphs.graph_for(plan([1, 600])) is None
         assert graphs.max_tokens == (512 if ragged else 24)
+
+
+def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gpu runner's ``pdl`` option: explicit True/False, or (default) on for a model whose every
+    projection fits the bytes a kernel may prefetch, on a device that has it; never on a CPU."""
+    from torch import nn
+
+    from specloop.backends.gpu.platform import GpuPlatform, pdl_pays
+    from specloop.kernels import pdl
+    from specloop.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard
+
+    assert GpuPlatform(EngineConfig()).pdl is None
+    assert GpuPlatform(EngineConfig(plugin_options={"gpu": {"pdl": False}})).pdl is False
+    model = nn.Sequential(ColumnParallelLinear(8, [Shard(16, 0, 16)], bias=False), RowParallelLinear(16, 8, bias=False))
+    cpu = torch.device("cpu")
+    assert pdl_pays(model, cpu) is False and pdl.launch_options(cpu) == {"PDL": False}
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4)  # both float32 weights: 512 bytes
+    assert pdl_pays(model, cpu) is True
+    monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4 - 1)
+    assert pdl_pays(model, cpu) is False
+    pdl.set_enabled(True)
+    try:
+        assert pdl.launch_options(cpu) == {"PDL": True, "launch_pdl": True}
+    finally:
+        pdl.set_enabled(False)
