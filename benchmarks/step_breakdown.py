@@ -44,6 +44,7 @@ def sync(device: torch.device) -> None:
 def timed_step(core: Any, device: torch.device) -> dict[str, float]:
     """One engine step split into phases (the calls of ``EngineCore.step`` and the runner's
     ``execute_model`` / ``sample_tokens``)."""
+    from specloop.backends.pending import PendingOutput
     from specloop.backends.runner import ExecutedStep
 
     runner = core.runner
@@ -70,6 +71,8 @@ def timed_step(core: Any, device: torch.device) -> dict[str, float]:
         t["forward"] = c5 - c4
     runner.executed = ExecutedStep(plan, batch, out.hidden_states, out.aux_hidden_states)
     result = runner.sample_tokens()
+    if isinstance(result, PendingOutput):  # asynchronous scheduling: the tokens are read here
+        result = result.result()
     c6 = time.perf_counter()
     core.scheduler.update_from_output(plan, result)
     core.post_step()
