@@ -15,8 +15,9 @@ more kernel starts early, never one whose predecessor has not started yet. A ker
 the flag (a torch op) starts after its predecessor as always.
 
 Kernels take a ``PDL`` constexpr and are launched with ``**launch_options(device)``; the GPU runner's
-``pdl`` option (on by default on CUDA devices of compute capability 9.0 or more) sets
-:func:`set_enabled`. The interpreter and older devices run without it.
+``pdl`` option sets :func:`set_enabled` (by default where it pays: a device of compute capability
+9.0 or more and a model whose every projection fits :func:`prefetch_budget`;
+``backends.gpu.platform.pdl_pays``). The interpreter and older devices run without it.
 """
 
 from __future__ import annotations
