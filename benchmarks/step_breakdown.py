@@ -97,7 +97,7 @@ def kernel_profile(core: Any, steps: int) -> list[dict[str, Any]]:
         if us > 0:
             rows.append({"kernel": e.key[:90], "us_per_step": us / steps, "calls_per_step": e.count / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:15]
+    return rows[:25]
 
 
 def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -120,7 +120,15 @@ def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dic
         core.post_step()
     sync(device)
     plain = (time.perf_counter() - t0) / args.steps
+    # The phases are timed one plan at a time: the plan in flight is committed first, and the engine
+    # and runner plan, launch and commit synchronously until the kernel profile.
+    overlap = (core.config.async_scheduling, core.runner.async_scheduling)
+    core.config.async_scheduling = core.runner.async_scheduling = False
+    while core.in_flight:
+        core.step()
+        core.post_step()
     phases = [timed_step(core, device) for _ in range(args.steps)]
+    core.config.async_scheduling, core.runner.async_scheduling = overlap
     kernels = kernel_profile(core, 5) if device.type == "cuda" else []
     core.abort_requests(ids)
     while core.has_unfinished_requests():
@@ -140,6 +148,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--warm-steps", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plain steps overlap the host with the device (default: the engine's, on on CUDA)")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's pdl option (programmatic dependent launch; a kernel waiting for the "
+                        "one before it is profiled from its launch: turn it off for each kernel's own time)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -154,7 +167,8 @@ def main() -> None:
     vocab = read_model_config(path).vocab_size
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
-              model_runner="gpu")
+              model_runner="gpu", async_scheduling=args.async_scheduling,
+              plugin_options={"gpu": {"pdl": args.pdl}} if args.pdl is not None else {})
     backend = llm.core.runner.attn_backend
     report("decode attention tile (timed at start-up, us)", {"chosen": backend.decode_config, **backend.decode_tuning})
     rows = []
