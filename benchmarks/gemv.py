@@ -11,7 +11,10 @@ and the fastest of the tiles swept (``BLOCK_N`` x ``BLOCK_K`` x warps x stages).
 ``--moe-shapes`` (default DeepSeek-V2-Lite's) also times a mixture-of-experts layer at one token,
 the grouped GEMMs (``kernels/fused_moe.py``, with their sort) against the two few-tokens kernels
 (``kernels/skinny_moe.py``): each call picks ``top_k`` experts at random (from a fixed list of
-draws, the shared experts always), and the bytes are the picked experts' weights.
+draws, the shared experts always), and the bytes are the picked experts' weights. ``--moe-sweep``
+times the tiles of each of the two kernels (the other at its default), then the best pair.
+``--mla-shapes`` times one token of latent attention (DeepSeek's absorbed MLA, ``kernels/mla_attention.py``)
+over contexts of ``--mla-contexts`` tokens at each split count of the keys.
 
     python benchmarks/gemv.py --out out/gemv            # on the H200 (the suite's ``gemv`` stage)
     python benchmarks/gemv.py --smoke                   # a check of the script: one shape, interpreter-sized
@@ -36,7 +39,8 @@ from common import SHAPES  # noqa: E402
 
 from specloop.kernels.fused_moe import fused_moe  # noqa: E402
 from specloop.kernels.gemv import DEFAULT_TILE, choose_block_n, skinny_linear  # noqa: E402
-from specloop.kernels.skinny_moe import skinny_moe  # noqa: E402
+from specloop.kernels.mla_attention import mla_attention  # noqa: E402
+from specloop.kernels.skinny_moe import DOWN_TILE, GATE_UP_TILE, skinny_moe  # noqa: E402
 
 
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
@@ -68,8 +72,14 @@ def time_call(fn: Callable[[int], Any], copies: int, calls: int, replays: int) -
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def time_moe(shape: str, calls: int, replays: int) -> dict[str, Any]:
-    """One token through a MoE layer of ``shape``: microseconds a call, grouped and few-tokens."""
+def tiles_of(spec: str) -> list[tuple[int, ...]]:
+    """``"4,8:256,512:4:3"`` -> every combination of the lists."""
+    return list(itertools.product(*([int(v) for v in part.split(",")] for part in spec.split(":"))))
+
+
+def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None = None) -> dict[str, Any]:
+    """One token through a MoE layer of ``shape``: microseconds a call, grouped and few-tokens (and,
+    with ``sweep``, each kernel's tiles: ``{"gate_up": spec, "down": spec}``, see :func:`tiles_of`)."""
     s = SHAPES[shape]
     h, inter, routed, shared = s["hidden_size"], s["moe_intermediate_size"], s["n_routed_experts"], s["n_shared_experts"]
     top_k, dev, dtype = s["num_experts_per_tok"], torch.device("cuda"), torch.bfloat16
@@ -88,7 +98,58 @@ def time_moe(shape: str, calls: int, replays: int) -> dict[str, Any]:
     print(f"| {shape} | MoE, 1 token, {top_k} + {shared} experts | {size / 1e6:.0f} MB | grouped {grouped:.1f} us "
           f"({size / grouped / 1e3:.0f} GB/s) | few-tokens {few:.1f} us ({size / few / 1e3:.0f} GB/s) | "
           f"{grouped / few:.2f}x | rel. difference {err:.1e} |", flush=True)
-    return dict(shape=shape, layer="moe", bytes=size, grouped_us=grouped, skinny_us=few, rel_diff=err)
+    row = dict(shape=shape, layer="moe", bytes=size, grouped_us=grouped, skinny_us=few, rel_diff=err)
+    if sweep:
+        best = {}
+        for kernel, default in (("gate_up", GATE_UP_TILE), ("down", DOWN_TILE)):
+            times = {}
+            for tile in tiles_of(sweep[kernel]):
+                tiles = {"gate_up_tile": GATE_UP_TILE, "down_tile": DOWN_TILE, f"{kernel}_tile": tile}
+                try:
+                    times[tile] = time_call(lambda i, t=tiles: skinny_moe(x, w13, w2, weights, draws[i], **t),
+                                            len(draws), calls, replays)
+                except Exception as e:  # a tile that does not fit (registers, shared memory)
+                    times[tile] = float("inf")
+                    print(f"  {kernel} tile {tile}: {type(e).__name__}", file=sys.stderr)
+            best[kernel] = min(times, key=times.get)
+            row[f"{kernel}_tiles"] = {str(t): v for t, v in times.items()}
+            print(f"  {kernel}: default {default} {times.get(default, float('nan')):.1f} us, best {best[kernel]} "
+                  f"{times[best[kernel]]:.1f} us; " + ", ".join(f"{t}: {v:.1f}" for t, v in sorted(times.items())),
+                  flush=True)
+        both = time_call(lambda i: skinny_moe(x, w13, w2, weights, draws[i], gate_up_tile=best["gate_up"],
+                                              down_tile=best["down"]), len(draws), calls, replays)
+        row.update(best_tiles=[list(best["gate_up"]), list(best["down"])], best_us=both)
+        print(f"| {shape} | MoE, best tiles {best['gate_up']} / {best['down']} | {both:.1f} us "
+              f"({size / both / 1e3:.0f} GB/s) | default {few:.1f} us |", flush=True)
+    return row
+
+
+def time_mla(shape: str, contexts: list[int], calls: int, replays: int) -> list[dict[str, Any]]:
+    """One decode token of ``shape``'s latent attention over each context, at every split count."""
+    s = SHAPES[shape]
+    heads, rank, rope = s["num_attention_heads"], s["kv_lora_rank"], s["qk_rope_head_dim"]
+    dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
+    rows = []
+    for context in contexts:
+        blocks = -(-context // page)
+        cache = torch.randn(blocks, page, rank + rope, dtype=dtype, device=dev)
+        q_nope = torch.randn(1, heads, rank, dtype=dtype, device=dev)
+        q_rope = torch.randn(1, heads, rope, dtype=dtype, device=dev)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        lens = torch.tensor([context], dtype=torch.int32, device=dev)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, -1)
+        times = {}
+        for splits in (1, 2, 4, 8, 16, 32):
+            if splits > blocks:
+                break
+            times[splits] = time_call(lambda i, n=splits: mla_attention(
+                q_nope, q_rope, cache, qsl, lens, table, scale=0.1, max_query_len=1, num_splits=n), 1, calls, replays)
+        best = min(times, key=times.get)
+        print(f"| {shape} | MLA decode, {context} tokens | " + " | ".join(f"{n}: {t:.1f} us" for n, t in times.items())
+              + f" | best {best} |", flush=True)
+        rows.append(dict(shape=shape, layer="mla", context=context, splits_us={str(n): t for n, t in times.items()},
+                         best_splits=best))
+    return rows
 
 
 def main() -> None:
@@ -102,6 +163,12 @@ def main() -> None:
     parser.add_argument("--sweep", default="4,16:256,512:2,4:3",
                         help="BLOCK_N list : BLOCK_K list : warps list : stages list")
     parser.add_argument("--moe-shapes", default="deepseek-v2-lite", help="MoE layers at one token ('' for none)")
+    parser.add_argument("--moe-sweep", default="",
+                        help="tiles of the MoE kernels to time, 'GATE_UP_SPEC/DOWN_SPEC', each "
+                        "'BLOCK_N list : BLOCK_K list : warps list : stages list' ('' for none)")
+    parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
+    parser.add_argument("--mla-contexts", default="160,1024,4096")
+    parser.add_argument("--skip-linear", action="store_true", help="only the MoE and MLA timings")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
     args = parser.parse_args()
     if args.smoke:
@@ -121,7 +188,7 @@ def main() -> None:
     print("| shape | layer | N x K | rows | cuBLAS us (GB/s) | kernel, default us (GB/s) | kernel, best us (GB/s) "
           "| best tile | best / cuBLAS |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shape in args.shapes.split(","):
+    for shape in [] if args.skip_linear else args.shapes.split(","):
         for name, n, k in layer_shapes(shape):
             size = n * k * 2
             copies = max(1, -(-args.rotate_mb * 2 ** 20 // size))
@@ -155,8 +222,11 @@ def main() -> None:
             del weights
             torch.cuda.empty_cache()
     for shape in filter(None, args.moe_shapes.split(",")):
-        results.append(time_moe(shape, args.calls, args.replays))
+        sweep = dict(zip(("gate_up", "down"), args.moe_sweep.split("/"))) if args.moe_sweep else None
+        results.append(time_moe(shape, args.calls, args.replays, sweep))
         torch.cuda.empty_cache()
+    for shape in filter(None, args.mla_shapes.split(",")):
+        results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
     with open(os.path.join(args.out, "gemv.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 

@@ -28,7 +28,6 @@ from . import pdl
 from .pdl import wait_previous
 
 MAX_TOKENS = 4
-BLOCK_K = 512
 
 
 @triton.jit
@@ -92,13 +91,22 @@ def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.c
     tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
 
 
+# Tiles, ``(BLOCK_N, BLOCK_K, warps, stages)``, the fastest of those ``benchmarks/gemv.py --moe-sweep``
+# timed on the H200 for a V2-Lite layer at one token: 50.9 us for the pair against 62.0 us with
+# (16, 512, 4, 3) / (8, 512, 4, 3). Thin tiles: more programs stream the few picked experts.
+GATE_UP_TILE = (4, 128, 2, 3)
+DOWN_TILE = (4, 512, 4, 2)
+
+
 def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, block_n: int = 16,
-               down_block_n: int = 8, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               topk_ids: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+               gate_up_tile: tuple[int, int, int, int] = GATE_UP_TILE,
+               down_tile: tuple[int, int, int, int] = DOWN_TILE) -> torch.Tensor:
     """:func:`~specloop.kernels.fused_moe.fused_moe` for at most ``MAX_TOKENS`` tokens: ``x`` ``[T, H]``
     (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
     float32 and ``topk_ids`` int ``[T, top_k]``. With ``norm`` (an RMSNorm's weight and eps) the
-    experts read ``rms_norm(x)``, computed inside the gate/up kernel. Returns ``[T, H]`` in ``x``'s
+    experts read ``rms_norm(x)``, computed inside the gate/up kernel. ``gate_up_tile`` and
+    ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``. Returns ``[T, H]`` in ``x``'s
     dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -119,10 +127,12 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     weights = topk_weights.float().contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
+    block_n, block_k, warps, stages = gate_up_tile
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
-        x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-        NORM=norm is not None, num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
-    _down_kernel[(tokens, triton.cdiv(hidden, down_block_n))](
-        h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=down_block_n, BLOCK_K=BLOCK_K,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(x.device))
+        x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+    block_n, block_k, warps, stages = down_tile
+    _down_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
     return out
