@@ -145,3 +145,17 @@ def test_a_prompt_arriving_alone_runs_the_unsplit_prefill_kernel(monkeypatch) ->
         q_rope = torch.randn(q_len, 16, 16, dtype=torch.bfloat16)
         mla.mla_attention(q_nope, q_rope, latent, qsl, seq_lens, bt, scale=0.1, max_query_len=q_len, num_splits=8)
         assert launched == want, ("mla", q_len, context, launched)
+
+
+
+def test_latent_attention_splits_its_keys_down_to_a_few_each() -> None:
+    """An MLA decode step whose programs (sequences x head blocks) leave the chip idle splits its
+    keys until the programs fill it twice or a split holds 16 keys; a full batch runs unsplit."""
+    from specloop.backends.gpu.triton_attention import choose_latent_splits
+
+    assert choose_latent_splits(1, 16, 160) == 8  # DeepSeek-V2-Lite: one head block of 16 heads
+    assert choose_latent_splits(1, 16, 40960) == 32  # capped
+    assert choose_latent_splits(16, 16, 304) == 16  # 256 programs: twice the chip
+    assert choose_latent_splits(64, 16, 304) == 4
+    assert choose_latent_splits(1, 16, 16) == 1  # one split's worth of keys
+    assert choose_latent_splits(256, 16, 4096) == 1

@@ -5,6 +5,8 @@ cache."""
 
 from __future__ import annotations
 
+import math
+
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +16,6 @@ import torch
 from specloop.models.attention import PAGED_KV_LAYOUT, AttentionMetadata
 from specloop.models.config import ModelConfig
 from specloop.kernels.kv_write import kv_write
-from specloop.kernels.mla_attention import BLOCK_N as MLA_BLOCK_N
 from specloop.kernels.mla_attention import head_blocks, mla_attention
 from specloop.kernels.paged_attention import choose_num_splits, paged_attention
 
@@ -148,5 +149,15 @@ class TritonAttentionBackend:
 
 
 def choose_latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Split-K for MLA decoding: programs are sequences x head blocks, tiles are MLA's."""
-    return choose_num_splits(num_seqs, head_blocks(num_heads), max_seq_len, num_sms, block_n=MLA_BLOCK_N)
+    """Split-K for MLA decoding: programs are sequences x head blocks. A program's keys are a chain
+    of dependent 36 KiB tiles that every head shares, so a few programs run far below the memory's
+    rate even over a short context: on the H200 one V2-Lite token over 160 keys took 16.1 us unsplit
+    and 7.5 us in eight splits, over 1,024 keys 91 and 8.0 us unsplit and in 32
+    (``benchmarks/gemv.py --mla-shapes``). So, when the programs leave the chip idle, the keys are
+    split until the programs fill it twice over or a split holds 16 keys (the dense kernel's
+    :func:`choose_num_splits` stops at two tiles a split: more lost 4% at batch 4 on qwen3-0.6b)."""
+    programs = max(1, num_seqs * head_blocks(num_heads))
+    if programs >= num_sms:
+        return 1
+    want = min(-(-2 * num_sms // programs), -(-max_seq_len // 16))
+    return max(1, min(32, 1 << int(math.log2(max(want, 1)))))
