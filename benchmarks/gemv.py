@@ -6,7 +6,8 @@ Each timing is a CUDA graph of ``--calls`` back-to-back products replayed ``--re
 decode step's graph runs them, over enough copies of the weight (at least ``--rotate-mb`` MB) that
 no call finds its weights in the 50 MB L2 cache left by the one before. Reported: microseconds a
 call, the weight bytes a call reads over that time, and, for the few-rows kernel, its default tile
-and the fastest of the tiles swept (``BLOCK_N`` x ``BLOCK_K`` x warps x stages).
+and the fastest of the tiles swept (``BLOCK_N`` x ``BLOCK_K`` x warps x stages, and optionally
+the splits of ``K``).
 
 ``--moe-shapes`` (default DeepSeek-V2-Lite's) also times a mixture-of-experts layer at one token,
 the grouped GEMMs (``kernels/fused_moe.py``, with their sort) against the two few-tokens kernels
@@ -161,7 +162,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--rotate-mb", type=int, default=256)
     parser.add_argument("--sweep", default="4,16:256,512:2,4:3",
-                        help="BLOCK_N list : BLOCK_K list : warps list : stages list")
+                        help="BLOCK_N list : BLOCK_K list : warps list : stages list [: split list (0: the "
+                        "kernel's choice, the default)]")
     parser.add_argument("--moe-shapes", default="deepseek-v2-lite", help="MoE layers at one token ('' for none)")
     parser.add_argument("--moe-sweep", default="",
                         help="tiles of the MoE kernels to time, 'GATE_UP_SPEC/DOWN_SPEC', each "
@@ -179,8 +181,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("gemv.py times CUDA graphs: run it on a GPU (or --smoke)")
-    block_ns, ks, warps, stages = ([int(v) for v in part.split(",")] for part in args.sweep.split(":"))
-    sweep = list(itertools.product(block_ns, ks, warps, stages))
+    sweep = [c if len(c) == 5 else (*c, 0) for c in tiles_of(args.sweep)]
     os.makedirs(args.out, exist_ok=True)
     dev, dtype = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -204,8 +205,8 @@ def main() -> None:
                 for config in sweep:
                     try:
                         tiles[config] = time_call(
-                            lambda i, c=config: skinny_linear(x, weights[i], tile=c[1:], block_n=c[0]), copies,
-                            args.calls, args.replays)
+                            lambda i, c=config: skinny_linear(x, weights[i], tile=c[1:4], block_n=c[0],
+                                                              split=c[4] or None), copies, args.calls, args.replays)
                     except Exception as e:  # a tile that does not fit (registers, shared memory)
                         tiles[config] = float("inf")
                         print(f"  tile {config}: {type(e).__name__}", file=sys.stderr)
