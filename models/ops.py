@@ -239,9 +239,13 @@ class TritonOps:
         kv_cache, norm = ctx.kv_caches[attn.layer_idx], attn.kv_a_layernorm
         mla_rope_cache(q_rope, latent, positions, attn.rotary.cos, attn.rotary.sin, norm.weight, norm.eps, kv_cache,
                        ctx.metadata.slot_mapping)
-        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), attn.w_uk).transpose(0, 1)
+        q_latent = self.head_matmul(q[:, :, :nope], attn.w_uk)
         out = ctx.backend.attend_latent(q_latent, q_rope, kv_cache, ctx.metadata, attn.scale)
-        return torch.bmm(out.transpose(0, 1), attn.w_uv_t).transpose(0, 1).reshape(tokens, heads * attn.v_head_dim)
+        return self.head_matmul(out, attn.w_uv_t).reshape(tokens, heads * attn.v_head_dim)
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per-head products: ``x`` ``[T, H, K]``, ``w`` ``[H, K, N]`` -> ``[T, H, N]``."""
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,8 +266,9 @@ class TritonOps:
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of one row (``kernels.gemv``'s
-    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), and a mixture of experts with the
-    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two): at
+    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), a mixture of experts with the
+    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two), and
+    latent attention's per-head ``W_UK`` and ``W_UV`` products (``kernels.gemv.head_gemv``): at
     batch 1 the step is a few hundred small kernels, and each one less
     saves its launch gap inside the CUDA graph."""
 
@@ -301,6 +306,13 @@ class FewRowsOps(TritonOps):
                                               out_dtype=torch.float32)
         weights, ids = self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config)
         return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), residual
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+            from specloop.kernels.gemv import head_gemv
+
+            return head_gemv(x[0], w).unsqueeze(0)
+        return super().head_matmul(x, w)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:

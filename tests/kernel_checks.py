@@ -228,6 +228,17 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
+    # Per-head products of one token (latent attention's W_UK and W_UV): weights contiguous along
+    # the outputs, and a transposed view contiguous along the reduction, as the model holds them.
+    from specloop.kernels.gemv import head_gemv
+
+    for heads, k, n in ((3, 40, 70), (4, 300, 24)):
+        x = torch.randn(heads, k, dtype=dtype, device=device)
+        for w in (torch.randn(heads, k, n, dtype=dtype, device=device),
+                  torch.randn(heads, n, k, dtype=dtype, device=device).transpose(1, 2)):
+            out = head_gemv(x, w / k ** 0.5, num_sms=4)
+            want = torch.bmm(x.double()[:, None], (w / k ** 0.5).double())[:, 0]
+            assert out.dtype == dtype and rel_err(out, want) < TOL[dtype], f"head_gemv differs at {heads} x {k} x {n}"
     # Fused prologues: a decoder layer's RMSNorm (with and without the residual add), and a gated
     # MLP's SiLU-and-mul, rounded as the unfused ops round them.
     for rows, k, split, with_residual in ((1, 300, None, True), (3, 700, 2, True), (2, 96, 1, False)):
