@@ -13,7 +13,8 @@ the splits of ``K``).
 the grouped GEMMs (``kernels/fused_moe.py``, with their sort) against the two few-tokens kernels
 (``kernels/skinny_moe.py``): each call picks ``top_k`` experts at random (from a fixed list of
 draws, the shared experts always), and the bytes are the picked experts' weights. ``--moe-sweep``
-times the tiles of each of the two kernels (the other at its default), then the best pair.
+times the tiles of each of the two kernels (the other at its default), then the best pair;
+``--moe-tokens 1,2,4`` times steps of several tokens too (a verification of drafts at batch 1).
 ``--mla-shapes`` times one token of latent attention (DeepSeek's absorbed MLA, ``kernels/mla_attention.py``)
 over contexts of ``--mla-contexts`` tokens at each split count of the keys.
 
@@ -78,28 +79,31 @@ def tiles_of(spec: str) -> list[tuple[int, ...]]:
     return list(itertools.product(*([int(v) for v in part.split(",")] for part in spec.split(":"))))
 
 
-def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None = None) -> dict[str, Any]:
-    """One token through a MoE layer of ``shape``: microseconds a call, grouped and few-tokens (and,
-    with ``sweep``, each kernel's tiles: ``{"gate_up": spec, "down": spec}``, see :func:`tiles_of`)."""
+def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None = None,
+             tokens: int = 1) -> dict[str, Any]:
+    """``tokens`` tokens (a decode step, or a verification of ``tokens - 1`` drafts at batch 1)
+    through a MoE layer of ``shape``: microseconds a call, grouped and few-tokens (and, with
+    ``sweep``, each kernel's tiles: ``{"gate_up": spec, "down": spec}``, see :func:`tiles_of`). The
+    bytes are the experts the tokens pick, each once."""
     s = SHAPES[shape]
     h, inter, routed, shared = s["hidden_size"], s["moe_intermediate_size"], s["n_routed_experts"], s["n_shared_experts"]
     top_k, dev, dtype = s["num_experts_per_tok"], torch.device("cuda"), torch.bfloat16
     w13 = torch.randn(routed + shared, 2 * inter, h, dtype=dtype, device=dev) * 0.02
     w2 = torch.randn(routed + shared, h, inter, dtype=dtype, device=dev) * 0.02
-    x = torch.randn(1, h, dtype=dtype, device=dev)
+    x = torch.randn(tokens, h, dtype=dtype, device=dev)
     gen = torch.Generator().manual_seed(0)
-    draws = [torch.cat([torch.randperm(routed, generator=gen)[:top_k], torch.arange(routed, routed + shared)])
-             .to(torch.int32).view(1, -1).to(dev) for _ in range(64)]
-    weights = torch.cat([torch.rand(1, top_k), torch.ones(1, shared)], dim=1).to(dev)
+    draws = [torch.stack([torch.cat([torch.randperm(routed, generator=gen)[:top_k], torch.arange(routed, routed + shared)])
+                          for _ in range(tokens)]).to(torch.int32).to(dev) for _ in range(64)]
+    weights = torch.cat([torch.rand(tokens, top_k), torch.ones(tokens, shared)], dim=1).to(dev)
     err = ((skinny_moe(x, w13, w2, weights, draws[0]).float() - fused_moe(x, w13, w2, weights, draws[0]).float()).norm()
            / fused_moe(x, w13, w2, weights, draws[0]).float().norm()).item()
     grouped = time_call(lambda i: fused_moe(x, w13, w2, weights, draws[i]), len(draws), calls, replays)
     few = time_call(lambda i: skinny_moe(x, w13, w2, weights, draws[i]), len(draws), calls, replays)
-    size = (top_k + shared) * 3 * inter * h * 2
-    print(f"| {shape} | MoE, 1 token, {top_k} + {shared} experts | {size / 1e6:.0f} MB | grouped {grouped:.1f} us "
+    size = sum(len(set(d.flatten().tolist())) for d in draws) / len(draws) * 3 * inter * h * 2
+    print(f"| {shape} | MoE, {tokens} token(s), {top_k} + {shared} experts each | {size / 1e6:.0f} MB | grouped {grouped:.1f} us "
           f"({size / grouped / 1e3:.0f} GB/s) | few-tokens {few:.1f} us ({size / few / 1e3:.0f} GB/s) | "
           f"{grouped / few:.2f}x | rel. difference {err:.1e} |", flush=True)
-    row = dict(shape=shape, layer="moe", bytes=size, grouped_us=grouped, skinny_us=few, rel_diff=err)
+    row = dict(shape=shape, layer="moe", tokens=tokens, bytes=size, grouped_us=grouped, skinny_us=few, rel_diff=err)
     if sweep:
         best = {}
         for kernel, default in (("gate_up", GATE_UP_TILE), ("down", DOWN_TILE)):
@@ -168,6 +172,7 @@ def main() -> None:
     parser.add_argument("--moe-sweep", default="",
                         help="tiles of the MoE kernels to time, 'GATE_UP_SPEC/DOWN_SPEC', each "
                         "'BLOCK_N list : BLOCK_K list : warps list : stages list' ('' for none)")
+    parser.add_argument("--moe-tokens", default="1", help="tokens a MoE call, a list (the sweep runs at the first)")
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")
     parser.add_argument("--skip-linear", action="store_true", help="only the MoE and MLA timings")
@@ -224,7 +229,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     for shape in filter(None, args.moe_shapes.split(",")):
         sweep = dict(zip(("gate_up", "down"), args.moe_sweep.split("/"))) if args.moe_sweep else None
-        results.append(time_moe(shape, args.calls, args.replays, sweep))
+        for i, tokens in enumerate(int(t) for t in args.moe_tokens.split(",")):
+            results.append(time_moe(shape, args.calls, args.replays, sweep if i == 0 else None, tokens))
         torch.cuda.empty_cache()
     for shape in filter(None, args.mla_shapes.split(",")):
         results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
