@@ -192,13 +192,14 @@ def _unused_parts(device: torch.device) -> torch.Tensor:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
-                      block_n: int = 64) -> int:
+                      block_n: int = 64, min_keys: int | None = None) -> int:
     """Flash-decoding splits: enough programs to fill the chip when few sequences decode, never
-    slices shorter than a few tiles."""
+    slices shorter than ``min_keys`` keys (two ``block_n`` tiles unless given)."""
+    min_keys = min_keys or 2 * block_n
     programs = max(1, num_seqs * num_kv_heads)
-    if programs >= num_sms or max_seq_len <= 4 * block_n:
+    if programs >= num_sms or max_seq_len <= 2 * min_keys:
         return 1
-    want = min(triton.cdiv(2 * num_sms, programs), max_seq_len // (2 * block_n))
+    want = min(triton.cdiv(2 * num_sms, programs), max_seq_len // min_keys)
     return max(1, min(32, 1 << int(math.log2(max(want, 1)))))
 
 

@@ -5,8 +5,6 @@ cache."""
 
 from __future__ import annotations
 
-import math
-
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -154,10 +152,6 @@ def choose_latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sm
     rate even over a short context: on the H200 one V2-Lite token over 160 keys took 16.1 us unsplit
     and 7.5 us in eight splits, over 1,024 keys 91 and 8.0 us unsplit and in 32
     (``benchmarks/gemv.py --mla-shapes``). So, when the programs leave the chip idle, the keys are
-    split until the programs fill it twice over or a split holds 16 keys (the dense kernel's
-    :func:`choose_num_splits` stops at two tiles a split: more lost 4% at batch 4 on qwen3-0.6b)."""
-    programs = max(1, num_seqs * head_blocks(num_heads))
-    if programs >= num_sms:
-        return 1
-    want = min(-(-2 * num_sms // programs), -(-max_seq_len // 16))
-    return max(1, min(32, 1 << int(math.log2(max(want, 1)))))
+    split until the programs fill it twice over or a split holds 16 keys (dense attention stops at
+    two 64-key tiles a split: more lost 4% at batch 4 on qwen3-0.6b)."""
+    return choose_num_splits(num_seqs, head_blocks(num_heads), max_seq_len, num_sms, min_keys=16)
