@@ -68,6 +68,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specloop.proposers.policy import batch_bucket
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, base_args, build_checkpoint, build_eagle3_head, environment, report, save  # noqa: E402
 
@@ -164,7 +166,7 @@ class PolicyTrace:
 
         def traced_observe_rate(length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
             if not first:
-                self.steps.setdefault(f"b{max(num_reqs, 1).bit_length()} L{length}", []).append(1e3 * seconds)
+                self.steps.setdefault(f"b{batch_bucket(num_reqs)} L{length}", []).append(1e3 * seconds)
             observe_rate(length, num_reqs, tokens, seconds, first)
 
         policy.drafting, policy.observe_rate = traced_drafting, traced_observe_rate

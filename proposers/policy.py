@@ -140,6 +140,20 @@ class _Acceptance:
         return total
 
 
+def batch_bucket(num_reqs: int) -> int:
+    """The bucket whose step times a batch of ``num_reqs`` requests reads and adds to: powers of two
+    (bucket ``b`` holds ``2**(b-1)`` to ``2**b - 1`` requests), but from 4 up a batch a request or
+    a sixteenth short of the next power of two belongs to that one's bucket. A full batch dips below
+    a power of two for a step whenever a request finishes before the next is admitted: each dip would
+    otherwise run the smaller bucket's length for one step, a switch each way, and its time (the
+    next step admits, or the batch drains at the end of a run) would be taken for what that bucket's
+    length costs. One request keeps its own bucket."""
+    n = max(num_reqs, 1)
+    bucket = n.bit_length()
+    top = 1 << bucket
+    return bucket + 1 if top >= 4 and n >= top - max(1, top // 16) else bucket
+
+
 OUTLIER = 4.0  # a measured step counts at most this many times its length's estimate
 REPORT_LAG = 6  # steps after a step that its time may be reported (the drafting stage keeps 6)
 
@@ -157,7 +171,7 @@ class AdaptivePolicy:
       ``long_accept_decay`` per step that tries it) scaled by how the first position stands
       against its own long run (``_Acceptance``): acceptance moves with the text being written,
       and the positions past the length running follow the first one;
-    * step time is measured per batch-size bucket (a power of two) and length, on steps that ran
+    * step time is measured per batch-size bucket (:func:`batch_bucket`, about a power of two) and length, on steps that ran
       amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
       that overlaps the next, drafting included, and steps that admit requests, where a proposer
       that catches up pays for the new prompts), decayed by ``decay`` per step measured. A bucket
@@ -216,7 +230,6 @@ class AdaptivePolicy:
         self.far_probed: dict[int, int] = {}  # per bucket, when it last probed a length far behind
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
-        self.last_bucket = 0
         # Weighing every length costs tens of microseconds of Python, a tenth of a small step: a
         # choice holds for ``recheck`` steps of its bucket (a probe that comes due waits that long
         # at most).
@@ -266,7 +279,7 @@ class AdaptivePolicy:
 
     def drafting(self, req_ids: Sequence[str]) -> int:
         self.num_steps += 1
-        bucket = self._bucket(len(req_ids))
+        bucket = batch_bucket(len(req_ids))
         self.first_seen.setdefault(bucket, self.num_steps)
         # A probe runs its steps out even when the batch crosses into another bucket (a request
         # finished, the next not yet admitted): cut short, it would measure nothing (its last step
@@ -284,19 +297,6 @@ class AdaptivePolicy:
         if self.probe is None:
             self.decided = (bucket, self.length, self.num_steps + self.recheck)
         return self.length
-
-    def _bucket(self, num_reqs: int) -> int:
-        """Powers of two, but a batch a few requests short of the next one keeps that bucket when
-        the last step was in it: a full batch dips below a power of two for a step whenever a
-        request finishes before the next is admitted, and each dip would otherwise run the smaller
-        bucket's length for one step, a switch each way."""
-        n = max(num_reqs, 1)
-        bucket = n.bit_length()
-        top = 1 << bucket  # the smallest batch of the next bucket
-        if self.last_bucket == bucket + 1 and n >= top - max(1, top // 16):
-            bucket += 1
-        self.last_bucket = bucket
-        return bucket
 
     def _next_length(self, bucket: int) -> int:
         if self.num_steps < self.warmup:  # warm K and 0 up in turn
@@ -363,8 +363,7 @@ class AdaptivePolicy:
     def observe_rate(self, length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
         if self.num_steps < self.warmup + (REPORT_LAG if self.warmup else 0):
             return
-        kept = (self.entries if first else self.times).setdefault((max(num_reqs, 1).bit_length(), int(length)),
-                                                                  [0.0, 0.0])
+        kept = (self.entries if first else self.times).setdefault((batch_bucket(num_reqs), int(length)), [0.0, 0.0])
         if kept[1] > 0:  # a pause inside one step (a garbage collection, another process) is not its length's cost
             estimate = kept[0] / kept[1]
             if OUTLIER * seconds < estimate:  # nor was it when the estimate began with one

@@ -171,6 +171,21 @@ def test_a_full_batch_that_dips_by_a_request_keeps_its_length():
     assert p.drafting(full[:20]) != 0  # a batch well inside the smaller bucket is that bucket's
 
 
+def test_a_dip_below_a_full_batch_is_measured_where_it_decides():
+    """The bucket a step's time joins is the one its batch read its length from: a batch of 7
+    between batches of 8 decides in the 8s' bucket, so its time must not teach the 4-7 bucket
+    (the drain at the end of a run) what a length costs there."""
+    from specloop.proposers.policy import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 6, 7, 8, 14, 15, 16, 29, 30, 31, 32)] == \
+        [1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6]
+    p = policy(warmup=0)
+    p.observe_rate(0, 7, 7, 1.2e-3)
+    p.observe_rate(2, 5, 6, 1.25e-3)
+    assert p.step_time(batch_bucket(8), 0) == (1.2e-3, 1.0)
+    assert p.step_time(batch_bucket(5), 0) is None and p.step_time(batch_bucket(5), 2) == (1.25e-3, 1.0)
+
+
 def test_a_new_batch_size_starts_from_the_nearest_one_measured():
     p = policy()
     Machine(p).run(2000, 1, 0.7, SMALL)
@@ -312,6 +327,40 @@ def test_the_drafting_stage_reports_a_step_once_its_tokens_are_known():
     # two steps after it began, once its tokens came), 6 the second (not reported), 7 and 8 sat
     # amid length 2; 9's tokens come only after the last step began.
     assert policy.rates == [(2, 5, 15, True), (2, 5, 17, False), (2, 5, 18, False)]
+
+
+def test_the_drafting_stage_does_not_measure_a_step_whose_next_one_admits():
+    """A step's interval runs from its sampling to the next step's, and so holds the next step's
+    forward: when that step admits a request, its prefill is in the interval, at whatever length
+    both ran."""
+    from types import SimpleNamespace
+
+    from specloop.backends.drafting import DraftingStage
+
+    class Recorder:
+        def __init__(self):
+            self.rates = []
+
+        def drafting(self, req_ids):
+            return 0
+
+        def observe_rate(self, length, num_reqs, tokens, seconds, first=False):
+            self.rates.append((num_reqs, tokens))
+
+    policy = Recorder()
+    stage = DraftingStage(SimpleNamespace(catches_up=True), policy,
+                          EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}))
+    sizes = (8, 8, 8, 8, 7, 8, 8, 8, 8, 8)  # step 4: a request finished; step 5 admits its replacement
+    records = []
+    for i, n in enumerate(sizes):
+        plan = SimpleNamespace(num_scheduled_tokens={f"r{j}": 1 for j in range(n)}, scheduled_spec_decode_tokens={},
+                               scheduled_new_reqs=["r7"] if i == 5 else [], scheduled_resumed_reqs=[])
+        records.append(stage.begin_step(plan))
+        if i >= 1:
+            records[i - 1].tokens = 100 + i - 1
+    # Steps 0 and 1 begin the run (not reported until two steps of it sat before); 4 precedes an
+    # admission, 5 admits; 8's tokens come after the last step began, 9 has no next step.
+    assert policy.rates == [(8, 102), (8, 103), (8, 106), (8, 107)]
 
 
 def test_fixed_policy():
