@@ -16,7 +16,10 @@ draws, the shared experts always), and the bytes are the picked experts' weights
 times the tiles of each of the two kernels (the other at its default), then the best pair;
 ``--moe-tokens 1,2,4`` times steps of several tokens too (a verification of drafts at batch 1).
 ``--mla-shapes`` times one token of latent attention (DeepSeek's absorbed MLA, ``kernels/mla_attention.py``)
-over contexts of ``--mla-contexts`` tokens at each split count of the keys.
+over contexts of ``--mla-contexts`` tokens at each split count of the keys; ``--attention-shapes``
+does the same for paged (GQA) attention at one sequence, per split count and keys a tile.
+``--pdl`` launches the kernels with programmatic dependent launch, as the GPU runner does on
+Hopper: a call's weights are asked of L2 while the call before it still runs.
 
     python benchmarks/gemv.py --out out/gemv            # on the H200 (the suite's ``gemv`` stage)
     python benchmarks/gemv.py --smoke                   # a check of the script: one shape, interpreter-sized
@@ -41,7 +44,9 @@ from common import SHAPES  # noqa: E402
 
 from specloop.kernels.fused_moe import fused_moe  # noqa: E402
 from specloop.kernels.gemv import DEFAULT_TILE, choose_block_n, skinny_linear  # noqa: E402
+from specloop.kernels import pdl  # noqa: E402
 from specloop.kernels.mla_attention import mla_attention  # noqa: E402
+from specloop.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
 from specloop.kernels.skinny_moe import DOWN_TILE, GATE_UP_TILE, skinny_moe  # noqa: E402
 
 
@@ -175,9 +180,13 @@ def main() -> None:
     parser.add_argument("--moe-tokens", default="1", help="tokens a MoE call, a list (the sweep runs at the first)")
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")
+    parser.add_argument("--attention-shapes", default="", help="shapes whose paged attention to time ('' for none)")
+    parser.add_argument("--attention-contexts", default="160,1024")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper), as the runner")
     parser.add_argument("--skip-linear", action="store_true", help="only the MoE and MLA timings")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
     args = parser.parse_args()
+    pdl.set_enabled(args.pdl)
     if args.smoke:
         x = torch.randn(2, 256, dtype=torch.float32)
         w = torch.randn(64, 256, dtype=torch.float32)
@@ -234,6 +243,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     for shape in filter(None, args.mla_shapes.split(",")):
         results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
+    for shape in filter(None, args.attention_shapes.split(",")):
+        results += time_attention(shape, [int(c) for c in args.attention_contexts.split(",")], args.calls, args.replays)
     with open(os.path.join(args.out, "gemv.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 
