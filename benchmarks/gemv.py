@@ -162,6 +162,40 @@ def time_mla(shape: str, contexts: list[int], calls: int, replays: int) -> list[
     return rows
 
 
+def time_attention(shape: str, contexts: list[int], calls: int, replays: int,
+                   tiles: tuple[int, ...] = (16, 32, 64)) -> list[dict[str, Any]]:
+    """One decode token of ``shape``'s paged attention (one sequence) over each context, at every
+    split count and keys a tile (4 warps, 2 stages)."""
+    s = SHAPES[shape]
+    heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
+    rows = []
+    for context in contexts:
+        blocks = -(-context // page)
+        k_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
+        v_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
+        q = torch.randn(1, heads, d, dtype=dtype, device=dev)
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        lens = torch.tensor([context], dtype=torch.int32, device=dev)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, -1)
+        times = {}
+        for block_n in tiles:
+            for splits in (1, 2, 4, 8, 16, 32):
+                if splits > -(-context // block_n):
+                    break
+                times[(block_n, splits)] = time_call(lambda i, n=splits, b=block_n: paged_attention(
+                    q, k_cache, v_cache, qsl, lens, table, scale=0.1, max_query_len=1, num_splits=n,
+                    decode_config=(b, 4, 2)), 1, calls, replays)
+        best = min(times, key=times.get)
+        rule = choose_num_splits(1, kv, context, block_n=best[0])
+        print(f"| {shape} | attention decode, {context} tokens | " + " | ".join(
+            f"{b}x{n}: {t:.1f}" for (b, n), t in times.items()) + f" | best {best} (rule at its tile: {rule}) |",
+            flush=True)
+        rows.append(dict(shape=shape, layer="attention", context=context, best=list(best), rule_splits=rule,
+                         us={f"{b}x{n}": t for (b, n), t in times.items()}))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/gemv")
