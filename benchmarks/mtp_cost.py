@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the tiny DeepSeek shape, a few tokens (CPU check)")
     parser.add_argument("--skinny-gemv", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed runs, profile this many speculative steps (torch.profiler): the "
+                        "kernels by device time, and the proposer's calls ('mtp.propose') beside the target's")
     args = parser.parse_args()
     if args.smoke:
         args.shape, args.output_len = "deepseek-tiny", 24
@@ -112,7 +115,8 @@ def main() -> None:
     def timed(inputs: Any) -> Any:
         sync(device)
         t = time.perf_counter()
-        out = propose(inputs)
+        with torch.profiler.record_function("mtp.propose"):
+            out = propose(inputs)
         sync(device)
         draft_times.append(time.perf_counter() - t)
         return out
@@ -135,6 +139,18 @@ def main() -> None:
                                               min(len(got), len(want))),
     }
     report("MTP step cost, batch 1", result)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step_times(spec, prompt, args.profile, device)
+        table = prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
+                                          row_limit=40)
+        print(table)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mtp_profile.txt"), "w") as f:
+            f.write(table)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times})
     spec.core.shutdown()
