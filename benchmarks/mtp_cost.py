@@ -6,8 +6,9 @@ random MTP layer (``common.SHAPES["deepseek-v2-lite"]``).
   (``heads x (qk_nope + qk_rope + v) x layers x 2``).
 * MTP step cost at batch 1: a 32-token prompt and ``--output-len`` greedy tokens (``ignore_eos``)
   without speculation (ms per engine step), then with ``{"method": "mtp", "num_speculative_tokens":
-  1}``, timing each call of the proposer (device-synchronised: the layer over the step's verified
-  positions plus one draft). Ratio = median draft step / median target decode step. Random weights
+  1}``, timing each proposal (device-synchronised: the layer over the step's verified positions
+  plus one draft), whether the runner launched it from the device (``Proposer.launch``: one graph
+  replay) or called ``propose``. Ratio = median draft step / median target decode step. Random weights
   accept few drafts, which does not change a step's cost; greedy outputs must be identical in
   float32 (in bf16 the sequences may part at a near-tie: reported, not an error).
 
@@ -122,8 +123,24 @@ def main() -> None:
         return out
 
     proposer.propose = timed
+    launch = proposer.launch
+
+    def timed_launch(step: Any) -> Any:  # a proposal fed from the device (one graph): its whole run
+        sync(device)
+        t = time.perf_counter()
+        with torch.profiler.record_function("mtp.launch"):
+            out = launch(step)
+        sync(device)
+        if out is not None:
+            draft_times.append(time.perf_counter() - t)
+            timed_launch.count += 1  # type: ignore[attr-defined]
+        return out
+
+    timed_launch.count = 0  # type: ignore[attr-defined]
+    proposer.launch = timed_launch
     step_times(spec, prompt, 8, device)  # warm-up
     draft_times.clear()
+    timed_launch.count = 0  # type: ignore[attr-defined]
     spec_steps = step_times(spec, prompt, args.output_len, device)
     got = list(step_times.tokens)  # type: ignore[attr-defined]
     metrics = spec.get_metrics()
@@ -132,6 +149,7 @@ def main() -> None:
         "target decode step ms (median)": 1e3 * float(np.median(decode)),
         "MTP draft step ms (median)": 1e3 * float(np.median(draft_times[1:])),
         "MTP / target step": float(np.median(draft_times[1:]) / np.median(decode)),
+        "MTP proposals timed (launched from the device / called)": f"{timed_launch.count} / {len(draft_times)}",
         "spec engine step ms (median)": 1e3 * float(np.median(spec_steps[1:])),
         "draft acceptance (random weights)": metrics.get("spec_acceptance_rate"),
         "greedy identical": got == want,
