@@ -113,16 +113,13 @@ class DraftingStage:
         return record
 
     def _report_rates(self) -> None:
-        """Each step whose tokens are known and whose next step has begun at its length: its tokens
-        and the wall time to the next step's start, once, marked ``first`` when the step before it
-        ran at another length. Not a step that admits requests, nor one the next step of which
-        does (that interval holds the next step's forward): prefill is the same work at every
-        length, but a length that finishes requests sooner admits in more of its steps (at batch 128
-        most steps of EAGLE-3 at K = 3 did, and looked 2.6x dearer than the rest), and a batch one
-        short of full is one whose next step admits the request that fills it. Not
-        the second step of a run (after a run with drafts it is the first that overlaps the next,
-        and its interval still holds the pipeline's refill), nor a step followed by one of only
-        new requests (the engine may have idled between them)."""
+        """Each step whose tokens are known and whose next step began at its length: its tokens and
+        the wall time to that start, once, ``first`` after a step of another length. Not a step
+        that admits requests, nor one before such a step (its interval holds that forward): prefill
+        costs every length alike, but a length that finishes requests sooner admits in more steps
+        (EAGLE-3 at K = 3, batch 128: 2.6x dearer). Not the second step of a run (after a run with
+        drafts it is the first that overlaps the next, and its interval still holds the pipeline's
+        refill), nor a step followed by one of only new requests (the engine may have idled)."""
         recent = list(self._recent)
         for earlier, before, step, after in zip(recent, recent[1:], recent[2:], recent[3:]):
             if (not step.reported and step.tokens and not step.admits and not after.admits

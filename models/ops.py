@@ -82,6 +82,9 @@ class Ops(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for ``x = [gate | up]`` [rows, 2I] -> [rows, I]."""
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (int64, ties to the lowest index): a proposer's greedy drafts."""
+
     def attention(self, attn: AttentionShape, qkv: torch.Tensor, positions: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
         """From the fused qkv projection [T, (Hq + 2 Hkv) D] to the attention output [T, Hq D]: the
@@ -122,6 +125,9 @@ class TorchOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1)
 
     def attention(self, attn: AttentionShape, qkv: torch.Tensor, positions: torch.Tensor,
                   ctx: ForwardContext) -> torch.Tensor:
@@ -195,6 +201,13 @@ class TritonOps:
         from specloop.kernels.rms_norm import rms_norm
 
         return rms_norm(x, weight, eps, residual=residual), residual
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 2 or logits.stride(-1) != 1:
+            return logits.argmax(dim=-1)
+        from specloop.kernels.sampling import argmax_rows
+
+        return argmax_rows(logits)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         from specloop.kernels.activation import silu_and_mul

@@ -133,7 +133,7 @@ class DraftModelProposer(Proposer):
         return hidden, self._argmax(hidden)
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        return self.ops.argmax(self.model.compute_logits(hidden))
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:

@@ -280,7 +280,7 @@ class EagleProposer(Proposer):
         """Target-vocabulary ids of the head's greedy next tokens."""
         if isinstance(self.head, Eagle3Head):
             return self.head.argmax(out, self.ops)
-        return self.target_logits(out.to(self.target_dtype)).argmax(dim=-1)
+        return self.ops.argmax(self.target_logits(out.to(self.target_dtype)))
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if isinstance(self.head, Eagle3Head):

@@ -174,7 +174,7 @@ class Eagle3Head(nn.Module):
 
     def argmax(self, prenorm: torch.Tensor, ops: Any) -> torch.Tensor:
         """The most likely target token id per row (the scatter into the whole vocabulary skipped)."""
-        best = self.draft_logits(prenorm, ops).argmax(dim=-1)
+        best = ops.argmax(self.draft_logits(prenorm, ops))
         return best + self.d2t[best]
 
 

@@ -182,7 +182,7 @@ class MTPProposer(Proposer):
         return self._argmax(out, 0)
 
     def _argmax(self, out: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.lm_head(self.model.logits_input(out, self.ops, layer).to(self.target_dtype)).argmax(dim=-1)
+        return self.ops.argmax(self.lm_head(self.model.logits_input(out, self.ops, layer).to(self.target_dtype)))
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)

@@ -18,7 +18,7 @@ from specloop.kernels.paged_attention import paged_attention
 from specloop.kernels.qk_rope_cache import qk_rope_cache
 from specloop.kernels.rms_norm import rms_norm
 from specloop.kernels.rotary import rotary_embedding
-from specloop.kernels.sampling import gumbel_sample
+from specloop.kernels.sampling import argmax_rows, gumbel_sample
 
 # ||out - ref|| / ||ref|| bounds by dtype (METHOD: fp32 far under 1e-3, 16-bit operands 1e-3..1e-2).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -460,6 +460,32 @@ def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, ma
     meta = SamplingMetadata.build(rows, vocab, torch.device(device))
     want = sample(logits.float().repeat(n, 1), meta).cpu()
     assert torch.equal(out[: 4 * n], want), "the Gumbel kernel and the torch sampler drew different tokens"
+    # A row split over programs draws what the whole row draws (rows without min-p).
+    args = (logits.repeat(n, 1), temperature.repeat(n), seeds.repeat(n), torch.arange(n, device=device).repeat_interleave(4))
+    whole = gumbel_sample(*args, chunks=1).cpu()
+    for chunks in (2, 4):
+        assert torch.equal(gumbel_sample(*args, chunks=chunks).cpu(), whole), f"{chunks} chunks a row drew otherwise"
+
+
+def check_argmax_rows(device: str, dtype: torch.dtype) -> None:
+    """The argmax of each row, ties to the lowest index, with the row whole or split over programs
+    (a row whose best lies in its last chunk, a tie across chunks, an all -inf row)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[1, vocab - 1] = 10.0  # in the last chunk
+    logits[2, 700] = logits[2, 100] = 10.0  # a tie across chunks: the lower index
+    logits[3] = float("-inf")
+    logits[4, 300] = logits[4, 301] = 10.0  # a tie inside a chunk
+    logits = logits.to(device)
+    want = logits.float().argmax(dim=-1).cpu()
+    assert want[2] == 100 and want[3] == 0 and want[4] == 300
+    for chunks in (None, 1, 2, 8):
+        got = argmax_rows(logits, chunks=chunks).cpu()
+        assert torch.equal(got, want), f"chunks={chunks}: {got.tolist()} != {want.tolist()}"
+    out = torch.full((5,), -1, dtype=torch.int64, device=device)
+    assert argmax_rows(logits[:, :512], out=out, chunks=4) is out
+    assert torch.equal(out.cpu(), logits[:, :512].float().argmax(dim=-1).cpu())
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
@@ -585,6 +611,8 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))
+            sampling.gumbel_sample(logits[:1], torch.ones(1), torch.arange(1), torch.arange(1), chunks=32)
+            sampling.argmax_rows(logits[:2], chunks=32)
     finally:
         for m, n, fn in saved:
             setattr(m, n, fn)
@@ -643,6 +671,7 @@ ALL_CHECKS = {
     "token_bitmask": check_token_bitmask,
     "verify": check_verify,
     "ngram": check_ngram,
+    "argmax_rows": check_argmax_rows,
 }
 
 

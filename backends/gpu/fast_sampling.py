@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from specloop.kernels.sampling import gumbel_sample
+from specloop.kernels.sampling import argmax_rows, gumbel_sample
 from specloop.sampling.structured_outputs import GrammarBitmask, apply_token_bitmask
 
 from ..batch import InputBatch
@@ -92,7 +92,7 @@ class FastSamplingStage:
             else:
                 logits = self.reference.logits(batch, hidden_states)
                 self._apply_grammar(batch, logits, grammar)
-                top = torch.argmax(logits, dim=-1, out=self.batch.top[:num_rows])
+                top = argmax_rows(logits, out=self.batch.top[:num_rows])
             host = self._next_host_buffer(num_rows)
             host.copy_(top, non_blocking=True)
             copied = torch.cuda.Event() if top.is_cuda else None

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
-from specloop.kernels.sampling import gumbel_sample
+from specloop.kernels.sampling import argmax_rows, gumbel_sample
 from specloop.proposers.step_graphs import graph_sizes
 
 from ..batch import InputBatch
@@ -166,7 +166,7 @@ class GraphExecutor:
             if self._with_logits(q, size):
                 self.logits[:tokens].copy_(model.compute_logits(hidden))
                 if q > 1:
-                    torch.argmax(self.logits[:tokens], dim=-1, out=self.greedy[:tokens])
+                    argmax_rows(self.logits[:tokens], out=self.greedy[:tokens])
                 elif self.sampled is not None:
                     slots = pb.req_slots[:size]
                     drawn = gumbel_sample(self.logits[:size], pb.temperature.index_select(0, slots),
