@@ -30,7 +30,8 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
 
 def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
-    flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl))
+    flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
+             ("rope_in_attention", args.rope_in_attention))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -106,6 +107,9 @@ def main() -> None:
                         help="the GPU runner's graph_sampling option (decode graphs draw their tokens; on by default)")
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's pdl option (programmatic dependent launch; on by default on Hopper)")
+    parser.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's rope_in_attention option (a decode step's rotary and KV write inside "
+                        "the attention kernel; off by default)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from . import pdl
 from .pdl import wait_previous
+from .qk_rope_cache import rope_heads
 
 
 @triton.jit
@@ -60,6 +62,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
+    pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, eps,
     scale, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -72,6 +75,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -105,7 +109,6 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
 
     q_offs = (q_start + q_idx)[:, None] * stride_qt + q_head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
 
     # Keys this q-block can see: up to the last new token in it.
@@ -115,6 +118,33 @@ def _paged_attention_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if ROPE:
+        # q_ptr is the raw q/k/v projection: the group's q heads normed and rotated here, and, by
+        # the split whose keys end at the new token, its k and v into the cache, read back below.
+        token = q_start + q_idx
+        pos = tl.load(pos_ptr + token, mask=row_ok, other=0).to(tl.int64)
+        q = rope_heads(q_ptr, q_offs, token * stride_qt + q_head * stride_qh, pos, cos_ptr, sin_ptr, q_w_ptr,
+                        eps, row_ok, dims, HEAD_DIM, HAS_NORM)
+        if split == (num_tiles - 1) // tiles_per_split:
+            t = q_start + last_q
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                t_pos = tl.load(pos_ptr + t).to(tl.int64)
+                one = dims[None, :] < HEAD_DIM
+                first = tl.zeros([1], tl.int64)
+                k_base = t * stride_qt + (NUM_Q_HEADS + kv_head) * stride_qh
+                k = rope_heads(q_ptr, k_base + dims[None, :], k_base + first, t_pos + first, cos_ptr, sin_ptr,
+                                k_w_ptr, eps, first == 0, dims, HEAD_DIM, HAS_NORM)
+                page = slot // PAGE_SIZE
+                in_page = slot % PAGE_SIZE
+                tl.store(k_cache_ptr + page * stride_kb + in_page * stride_ks + kv_head * stride_kh + dims[None, :],
+                         k, mask=one)
+                v = tl.load(q_ptr + k_base + NUM_KV_HEADS * stride_qh + dims[None, :], mask=one)
+                tl.store(v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh + dims[None, :],
+                         v, mask=one)
+        tl.debug_barrier()  # the new key and value, written by this program's threads, are read below
+    else:
+        q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -216,6 +246,20 @@ def prefill_splits(num_splits: int, num_seqs: int, num_tokens: int, block_q: int
     return num_splits
 
 
+class DecodeRope(NamedTuple):
+    """A decode step's q/k norms, rotary embedding and KV write, done inside the attention kernel
+    (``paged_attention(rope=...)``), rounded as :func:`specloop.kernels.qk_rope_cache.qk_rope_cache`
+    rounds them: one launch a layer fewer at batch 1."""
+
+    positions: torch.Tensor  # [num_tokens], each new token's position
+    cos: torch.Tensor  # float32 [max_position, head_dim / 2]
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens], cache slot of each new token (-1: no write)
+    q_norm_weight: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3), both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -230,6 +274,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     decode_config: tuple[int, int, int] | None = None,
     invariant: bool = False,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention for a packed ragged batch.
 
@@ -247,10 +292,23 @@ def paged_attention(
     :param invariant: batch-invariant: one tile shape for every batch (a program per new token,
         ``(64, 4, 2)``, ``num_splits`` 1), so a token's output is the same sum in the same order
         whether it decodes alone, verifies drafts or prefills among others.
+    :param rope: a decode step (``max_query_len == 1``) whose q/k norms, rotary embedding and KV
+        write run here (:class:`DecodeRope`): ``q`` is then the q/k/v projection viewed
+        ``[num_tokens, num_q_heads + 2 num_kv_heads, head_dim]``, raw, and the new keys and values
+        are not in the cache yet.
     :returns: ``out``, ``[num_tokens, num_q_heads, head_dim]`` in ``q``'s dtype.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, kv_dim = k_cache.shape
+    num_tokens, num_q_heads, head_dim = q.shape
+    if rope is not None:
+        num_q_heads -= 2 * num_kv_heads
+        if max_query_len != 1 or invariant:
+            raise ValueError("rotary inside attention is for decode steps (max_query_len 1), not invariant mode")
+        if head_dim & (head_dim - 1) or rope.cos.shape[-1] * 2 != head_dim or rope.cos.dtype != torch.float32:
+            raise ValueError(f"rotary inside attention needs a power-of-two head_dim and float32 cos/sin of "
+                             f"{head_dim // 2} columns")
+        if (rope.q_norm_weight is None) != (rope.k_norm_weight is None):
+            raise ValueError("give both q and k norm weights or neither")
     if kv_dim != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not match "
                          f"head_dim {head_dim}")
@@ -262,7 +320,7 @@ def paged_attention(
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     num_seqs = seq_lens.shape[0]
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -293,6 +351,10 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
+        *((rope.positions, rope.cos, rope.sin,
+           rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos,
+           rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos, rope.slot_mapping, rope.eps)
+          if rope is not None else (seq_lens, part_ml, part_ml, part_ml, part_ml, seq_lens, 0.0)),
         scale, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -303,6 +365,8 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
+        ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_norm_weight is not None,
+        NUM_KV_HEADS=num_kv_heads,
         num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(q.device),
     )

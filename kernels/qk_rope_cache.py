@@ -47,6 +47,34 @@ def _rope(x1, x2, c, s):
 
 
 @triton.jit
+def rope_heads(x_ptr, offs, row_base, pos, cos_ptr, sin_ptr, w_ptr, eps, ok, dims, HEAD_DIM: tl.constexpr,
+                HAS_NORM: tl.constexpr):
+    """Heads ``[rows, HEAD_DIM]`` at ``x_ptr + offs`` (``row_base``: each row's first element)
+    normed (optional) and rotated at positions ``pos`` [rows], rounded as
+    ``kernels.qk_rope_cache`` rounds them: every element is computed with its rotary partner (the
+    other half's element), read a second time, so the head stays one tile."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    partner = (dims + HALF) % HEAD_DIM
+    mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    xp = tl.load(x_ptr + row_base[:, None] + partner[None, :], mask=mask, other=0.0)
+    dt = x.dtype
+    f = x.to(tl.float32)
+    fp = xp.to(tl.float32)
+    if HAS_NORM:  # RMS over the whole head, float32 statistics, HF rounding
+        rstd = 1.0 / tl.sqrt(tl.sum(f * f, 1) / HEAD_DIM + eps)
+        f = (f * rstd[:, None]).to(dt).to(tl.float32) * tl.load(w_ptr + dims).to(tl.float32)[None, :]
+        fp = (fp * rstd[:, None]).to(dt).to(tl.float32) * tl.load(w_ptr + partner).to(tl.float32)[None, :]
+        f = f.to(dt).to(tl.float32)
+        fp = fp.to(dt).to(tl.float32)
+    half = dims % HALF
+    c = tl.load(cos_ptr + pos[:, None] * HALF + half[None, :], mask=mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos[:, None] * HALF + half[None, :], mask=mask, other=0.0).to(dt).to(tl.float32)
+    sign = tl.where(dims < HALF, -1.0, 1.0)[None, :]  # first half: x1 c - x2 s; second: x2 c + x1 s
+    return ((f * c).to(dt).to(tl.float32) + (sign * fp * s).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _qk_rope_cache_kernel(
     qkv_ptr, stride_t, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, eps,
     k_cache_ptr, v_cache_ptr, slot_ptr,

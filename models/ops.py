@@ -224,6 +224,10 @@ class TritonOps:
             from specloop.kernels.qk_rope_cache import qk_rope_cache
 
             kv_cache = ctx.kv_caches[attn.layer_idx]
+            attend_rope = getattr(ctx.backend, "attend_rope", None)  # a decode step, in one kernel
+            out = attend_rope(attn, qkv, positions, kv_cache, ctx.metadata) if attend_rope is not None else None
+            if out is not None:
+                return out.view(tokens, attn.q_size)
             q = qk_rope_cache(qkv, attn.num_heads, attn.num_kv_heads, positions, rope.cos, rope.sin, kv_cache[0],
                               kv_cache[1], ctx.metadata.slot_mapping, *norms, eps=eps)
             out = ctx.backend.attend(q, kv_cache, ctx.metadata, attn.scale)

@@ -171,10 +171,11 @@ class AdaptivePolicy:
       ``long_accept_decay`` per step that tries it) scaled by how the first position stands
       against its own long run (``_Acceptance``): acceptance moves with the text being written,
       and the positions past the length running follow the first one;
-    * step time is measured per batch-size bucket (:func:`batch_bucket`, about a power of two) and length, on steps that ran
-      amid steps of the same length (:meth:`observe_rate`: what a step with drafts costs against one
-      that overlaps the next, drafting included, and steps that admit requests, where a proposer
-      that catches up pays for the new prompts), decayed by ``decay`` per step measured. A bucket
+    * step time is measured per batch-size bucket (:func:`batch_bucket`, about a power of two) and
+      length, on steps that ran amid steps of the same length (:meth:`observe_rate`: what a step
+      with drafts costs against one that overlaps the next, drafting included; the drafting stage
+      leaves out the steps whose interval holds an admission's prefill), decayed by ``decay`` per
+      step measured. A bucket
       that has not measured a length borrows it from the nearest bucket that has, scaled by a
       length both measured; a length between two it has measured (0 and ``K``) is interpolated.
       A step counts at most ``OUTLIER`` times the estimate it joins: one pause (a garbage

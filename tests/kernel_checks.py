@@ -14,7 +14,7 @@ import torch
 
 from specloop.kernels.activation import silu_and_mul
 from specloop.kernels.kv_write import kv_write
-from specloop.kernels.paged_attention import paged_attention
+from specloop.kernels.paged_attention import DecodeRope, paged_attention
 from specloop.kernels.qk_rope_cache import qk_rope_cache
 from specloop.kernels.rms_norm import rms_norm
 from specloop.kernels.rotary import rotary_embedding
@@ -87,6 +87,44 @@ def check_paged_attention(device: str, dtype: torch.dtype, cases: list | None = 
         ref = reference_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5)
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"attention case {nq, nkv, d, ps, q_lens, ctx, splits}: rel err {err:.2e}"
+
+
+def check_attention_rope(device: str, dtype: torch.dtype) -> None:
+    """A decode step with its q/k norms, rotary embedding and KV write inside the attention kernel
+    (``rope=DecodeRope(...)``) against ``qk_rope_cache`` then attention: the same outputs, the
+    same cache (the new slots written, nothing else); a padding row (slot -1, no new token)."""
+    nq, nkv, d, ps = 4, 2, 32, 4
+    cos, sin = rope_tables(128, d, 10000.0)
+    for with_norm, ctx, splits in ((True, [9, 0, 30], 1), (False, [9, 0, 30], 4), (True, [3, 17, 60], 8)):
+        _, kc, vc, qsl, seq_lens, bt = _ragged_batch([1] * len(ctx), ctx, nq, nkv, d, ps, device, dtype)
+        tokens = len(ctx)
+        qkv = torch.randn(tokens, (nq + 2 * nkv) * d, dtype=dtype, device=device)
+        positions = (seq_lens - 1).long()
+        slots = torch.stack([bt[i, int(p) // ps].long() * ps + int(p) % ps for i, p in enumerate(positions.tolist())])
+        qw, kw = (torch.randn(d, dtype=dtype, device=device) for _ in range(2))
+        norms = (qw, kw) if with_norm else (None, None)
+        to = lambda t: t.to(device)  # noqa: E731
+        # The reference: the separate kernel, then attention over the cache it wrote.
+        kc_ref, vc_ref, qkv_ref = kc.clone(), vc.clone(), qkv.clone()
+        q = qk_rope_cache(qkv_ref, nq, nkv, positions, to(cos), to(sin), kc_ref, vc_ref, slots, *norms, eps=1e-6)
+        want = paged_attention(q, kc_ref, vc_ref, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=1,
+                               num_splits=splits)
+        rope = DecodeRope(positions, to(cos), to(sin), slots, *norms, eps=1e-6)
+        got = paged_attention(qkv.view(tokens, nq + 2 * nkv, d), kc, vc, qsl, seq_lens, bt, scale=d ** -0.5,
+                              max_query_len=1, num_splits=splits, rope=rope)
+        case = f"norm={with_norm} contexts={ctx} splits={splits}"
+        assert got.shape == (tokens, nq, d) and rel_err(got, want) < TOL[dtype], f"{case}: output differs"
+        assert rel_err(kc, kc_ref) < TOL[dtype] and torch.equal(vc, vc_ref), f"{case}: cache differs"
+    # Rows past the batch (CUDA-graph padding: no new token, slot -1) write nothing.
+    _, kc, vc, qsl, seq_lens, bt = _ragged_batch([1, 0], [5, 4], nq, nkv, d, ps, device, dtype)
+    before = kc.clone()
+    qkv = torch.randn(2, (nq + 2 * nkv) * d, dtype=dtype, device=device)
+    slots = torch.tensor([int(bt[0, 5 // ps]) * ps + 5 % ps, -1], device=device)
+    rope = DecodeRope((seq_lens - 1).long(), cos.to(device), sin.to(device), slots)
+    paged_attention(qkv.view(2, nq + 2 * nkv, d), kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=1,
+                    num_splits=2, rope=rope)
+    changed = (kc != before).any(-1).any(-1).flatten().nonzero().flatten().tolist()
+    assert changed == [int(slots[0])], f"rows written: {changed}"
 
 
 def check_kv_write(device: str, dtype: torch.dtype) -> None:
@@ -589,6 +627,10 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             activation.silu_and_mul(torch.randn(4, 6144, dtype=dtype))
             for w in (x[0, :128], None):
                 qk_rope.qk_rope_cache(qkv, 16, 8, torch.arange(4), cos, sin, kc, vc, torch.arange(4), w, w)
+                for splits in (1, 8):  # decode steps with the rotary and KV write inside attention
+                    rope = attention.DecodeRope(torch.arange(3), cos, sin, torch.arange(3), w, w)
+                    attention.paged_attention(qkv[:3].view(3, 32, 128), kc, vc, qsl, seq_lens, bt, scale=0.1,
+                                              max_query_len=1, num_splits=splits, rope=rope)
             # DeepSeek-V3's MLA (the tiles do not depend on the head count), V2-Lite's experts.
             qn, qr = torch.randn(4, 128, 512, dtype=dtype), torch.randn(4, 128, 64, dtype=dtype)
             lat = torch.randn(8, 16, 576, dtype=dtype)
@@ -660,6 +702,7 @@ def check_compiles_for_hopper() -> None:
 
 ALL_CHECKS = {
     "paged_attention": check_paged_attention,
+    "attention_rope": check_attention_rope,
     "kv_write": check_kv_write,
     "rms_norm": check_rms_norm,
     "rotary": check_rotary,

@@ -142,6 +142,41 @@ def check_few_rows_decode(device: str, variant: str) -> None:
     assert outs[True] == outs[False], (variant, outs)
 
 
+def check_rope_in_attention(device: str, variant: str) -> None:
+    """The ``rope_in_attention`` option (a decode step's q/k norms, rotary embedding and KV write
+    inside the attention kernel) decodes two requests in float16 to the tokens of the separate
+    kernels, and its decode steps take the fused path (prefill steps do not)."""
+    import specloop.backends.gpu.triton_attention as pa
+
+    model = tiny(variant)
+    fused = []
+    attention = pa.paged_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fused.append(kwargs.get("rope") is not None)
+        return attention(*args, **kwargs)
+
+    outs = {}
+    pa.paged_attention = counted
+    try:
+        for on in (False, True):
+            fused.clear()
+            runner = make_runner(model.path, "gpu", device, "float16",
+                                 plugin_options={"gpu": {"rope_in_attention": on}})
+            plans = Plans(runner, 4, 64)
+            batch = dict(zip("ab", prompts(2, seed=3, min_len=5, max_len=11)))
+            for rid, prompt in batch.items():
+                plans.add(rid, prompt, GREEDY)
+            plans.run({rid: len(prompt) for rid, prompt in batch.items()})
+            for _ in range(8):
+                plans.run({"a": 1, "b": 1})
+            outs[on] = {rid: plans.reqs[rid].tokens for rid in "ab"}
+            assert any(fused) == on and (not on or fused.count(True) >= 8), (on, fused)
+    finally:
+        pa.paged_attention = attention
+    assert outs[True] == outs[False], (variant, outs)
+
+
 def check_decode_graph_draws(device: str) -> None:
     """Decode graphs that draw each row's token (eager stand-ins on the CPU): a greedy, a seeded and
     a seeded min-p request decode the torch runner's tokens; the first two take the graph's draws,
@@ -501,6 +536,7 @@ def _main() -> None:
     its other paths (ragged and decode-graph stand-ins, asynchronous scheduling, grammar masks);
     ``runner_checks.py launch:NAME,...``: proposals launched from the device (ngram, medusa);
     ``runner_checks.py few_rows:VARIANT,...``: the few-rows kernels decoding (float16);
+    ``runner_checks.py rope:VARIANT,...``: rotary and KV write inside decode attention (float16);
     ``runner_checks.py drafts[:NAME,...]``: the proposers' graph paths (eagle3, mtp, draft_model)
     and the acceptance-controlled proposer on the launched path (controlled), all of them or
     those named."""
@@ -519,6 +555,11 @@ def _main() -> None:
         for variant in sys.argv[1].partition(":")[2].split(","):
             check_few_rows_decode("cpu", variant)
         print("ok few_rows")
+        return
+    if sys.argv[1].startswith("rope:"):
+        for variant in sys.argv[1].partition(":")[2].split(","):
+            check_rope_in_attention("cpu", variant)
+        print("ok rope")
         return
     if sys.argv[1].startswith("launch:"):
         for name in sys.argv[1].partition(":")[2].split(","):

@@ -40,8 +40,8 @@ LARGE_MOE_CASES = [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (700, 2048, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe",
+@pytest.mark.parametrize("check", ["paged_attention", "attention_rope", "kv_write", "rms_norm", "rotary",
+                                   "qk_rope_cache", "silu_and_mul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe",
                                    "moe_route", "token_bitmask"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
@@ -84,6 +84,11 @@ def test_gpu_runner_matches_torch_runner(variant: str, dtype: str) -> None:
 
 def test_decode_graphs_draw_the_torch_runners_tokens() -> None:
     rc.check_decode_graph_draws("cuda")
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_rope_in_attention_decodes_the_same_tokens(variant: str) -> None:
+    rc.check_rope_in_attention("cuda", variant)
 
 
 def test_async_scheduling_matches_synchronous_torch_runner() -> None:

@@ -56,7 +56,7 @@ def _run_together(*runs: tuple[str, str], script: Path, timeout: int = 900) -> N
     assert not failures, "\n\n".join(failures)
 
 
-@pytest.mark.parametrize("check", ["paged_attention", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
+@pytest.mark.parametrize("check", ["paged_attention", "attention_rope", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
                                    "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "skinny_moe", "moe_route",
                                    "token_bitmask", "verify", "ngram", "argmax_rows"])
 def test_kernel_matches_torch_reference(check: str) -> None:
@@ -79,9 +79,11 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # asynchronous scheduling; n-gram and Medusa proposals launched from the device. CUDA graphs need
     # a GPU (test_gpu_backend.py); their ragged and decode bodies (the decode graph's own draws) and
     # the launch graphs run here as eager stand-ins on the graphs' buffers. The few-rows kernels
-    # (DeepSeek-V3: fused norms, the one-token MoE) decode a lone request in float16 as without them.
+    # (DeepSeek-V3: fused norms, the one-token MoE) decode a lone request in float16 as without them,
+    # and so do decode steps with the rotary and KV write inside attention (rope_in_attention).
     _run_together(("qwen3,llama,deepseek_v3", "ok runner"), ("launch:ngram", "ok launch"),
                   ("launch:medusa", "ok launch"), ("few_rows:deepseek_v3", "ok few_rows"),
+                  ("rope:qwen3,llama", "ok rope"),
                   script=CHECKS.with_name("runner_checks.py"))
 
 

@@ -23,7 +23,9 @@ path's Triton kernels launch with programmatic dependent launch, compute capabil
 starts, and fetches its weights into L2, while the one before it finishes; ``kernels.pdl``. By
 default on where it pays: for a model whose every projection fits a third of L2, whose step is
 mostly launch gaps; on the H200 it made qwen3-0.6b's batch-1 decode 10% faster and llama3-8b's 6.5%
-slower). Any other key is refused.
+slower) and ``rope_in_attention`` (default off, not yet measured on a GPU: a decode step's q/k norms,
+rotary embedding and KV write run inside the attention kernel, one launch a layer fewer;
+``kernels.paged_attention.DecodeRope``). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl")
+               "late_verification", "pdl", "rope_in_attention")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -72,6 +74,7 @@ class GpuPlatform:
         self.graph_sampling = bool(opts.get("graph_sampling", True))
         self.late_verification = bool(opts.get("late_verification", True))
         self.pdl = None if opts.get("pdl") is None else bool(opts["pdl"])  # None: where it pays
+        self.rope_in_attention = bool(opts.get("rope_in_attention", False))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -88,6 +91,8 @@ class GpuPlatform:
     def parts(self, runner: ModelRunner) -> RunnerParts:
         c = runner.config
         pdl.set_enabled(self.pdl if self.pdl is not None else pdl_pays(runner.model, runner.device))
+        if hasattr(runner.attn_backend, "rope_in_attention"):
+            runner.attn_backend.rope_in_attention = self.rope_in_attention
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:

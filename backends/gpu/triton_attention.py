@@ -15,7 +15,7 @@ from specloop.models.attention import PAGED_KV_LAYOUT, AttentionMetadata
 from specloop.models.config import ModelConfig
 from specloop.kernels.kv_write import kv_write
 from specloop.kernels.mla_attention import head_blocks, mla_attention
-from specloop.kernels.paged_attention import choose_num_splits, paged_attention
+from specloop.kernels.paged_attention import DecodeRope, choose_num_splits, paged_attention
 
 logger = logging.getLogger("specloop")
 
@@ -47,6 +47,7 @@ class TritonAttentionBackend:
         # batch_invariant: one tile and one split for every batch (kernels.paged_attention)
         self.invariant = bool(getattr(config, "batch_invariant", False))
         self.decode_config: tuple[int, int, int] | None = None
+        self.rope_in_attention = False  # decode steps' rotary and KV write inside attention (attend_rope)
         self.decode_tuning: dict[str, float] = {}  # config -> median microseconds, from tune_decode
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -71,6 +72,22 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kv_write(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         return self.attend(q, kv_cache, meta, scale)
+
+    def attend_rope(self, attn: Any, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode step's q/k norms, rotary embedding, KV write and attention in one kernel
+        (``kernels.paged_attention.DecodeRope``), when the ``rope_in_attention`` option is on (the
+        GPU runner's; off by default) and the step is one; ``attn`` the layer's
+        ``models.ops.AttentionShape``, ``qkv`` its raw projection. None otherwise: the caller runs
+        the separate kernel, then :meth:`attend`."""
+        if not self.rope_in_attention or self.invariant or meta.max_query_len != 1:
+            return None
+        norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if attn.q_norm is not None else ()
+        rope = DecodeRope(positions, attn.rotary.cos, attn.rotary.sin, meta.slot_mapping, *norms)
+        qkv = qkv.view(qkv.shape[0], attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+        return paged_attention(qkv, kv_cache[0], kv_cache[1], meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                               scale=attn.scale, max_query_len=1, num_splits=self.num_splits(meta, kv_cache.shape[3]),
+                               decode_config=self.decode_config, rope=rope)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Attention over a cache that already holds this step's K/V (written by a fused kernel)."""
