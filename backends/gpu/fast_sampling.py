@@ -92,7 +92,8 @@ class FastSamplingStage:
             else:
                 logits = self.reference.logits(batch, hidden_states)
                 self._apply_grammar(batch, logits, grammar)
-                top = argmax_rows(logits, out=self.batch.top[:num_rows])
+                top = (argmax_rows(logits, out=self.batch.top[:num_rows]) if logits.is_cuda
+                       else torch.argmax(logits, dim=-1, out=self.batch.top[:num_rows]))
             host = self._next_host_buffer(num_rows)
             host.copy_(top, non_blocking=True)
             copied = torch.cuda.Event() if top.is_cuda else None
