@@ -190,12 +190,14 @@ class AdaptivePolicy:
     unless the better one's gain over ``min_interval`` steps pays for the switch; it weighs the
     lengths again every ``recheck`` steps, or when the batch changes bucket. A length whose
     step time nobody has measured is probed first (``K``, then 0; the lengths between are
-    interpolated), in runs of ``probe_len`` steps. Every other length is probed again as often as
-    keeps its expected loss under ``probe_cost`` of the time: a probe loses its steps' shortfall
+    interpolated), in runs of ``probe_len`` steps; 0 and ``K`` measured only in other buckets (their
+    figures borrowed) as soon as probes may come. The other lengths are probed again as often as
+    keeps their expected loss, together, under ``probe_cost`` of the time (each its share): a probe
+    loses its steps' shortfall
     against the best rate (at the length's estimated rate) plus what its two switches cost (a
     pipeline drains, a proposer catches up on the tokens it skipped: the measured excess of the
     first step of a run of each length over its steady step, one step until measured), so it comes
-    once that loss is ``probe_cost`` of the steps since the last, and not more often than every
+    once that loss is its share of ``probe_cost`` of the steps since the last, and not more often than every
     ``min_interval`` steps nor less often than every ``max_interval``: a one-time cost (a kernel
     compiled in a run's first step) must not mark a length dear for good. The lengths that far
     behind (their loss would allow a longer interval) take turns: one probe of them every
@@ -321,11 +323,15 @@ class AdaptivePolicy:
         for n in self.lengths:
             if n == best:
                 continue
-            rate, step, _ = rates[n]
+            rate, step, measured = rates[n]
             # Seconds a probe loses against the best length: its steps' shortfall, and its switches.
             loss = (self.probe_len * step * (1 - rate / best_rate) + self.switch_cost(bucket, n, step)
                     + self.switch_cost(bucket, best, best_step))
-            interval = loss / (best_step * self.probe_cost)
+            # The lengths share the probing budget. 0 and K not measured in this bucket have figures
+            # borrowed from another (scaled by a length both measured: a guess), probed as soon as
+            # probes may come; the lengths between are interpolated from those two.
+            guess = not measured and n in (0, self.k)
+            interval = 0.0 if guess else loss * (len(self.lengths) - 1) / (best_step * self.probe_cost)
             if interval >= self.max_interval and far:
                 continue  # one length this far behind was probed within max_interval: it speaks for all
             interval = min(max(self.min_interval, interval), self.max_interval)
