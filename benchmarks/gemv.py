@@ -134,6 +134,15 @@ def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None 
     return row
 
 
+def one_sequence(context: int, page: int, dev: torch.device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step of one sequence over ``context`` tokens in consecutive pages: (pages, query
+    start locations, sequence lengths, block table)."""
+    blocks = -(-context // page)
+    return (blocks, torch.tensor([0, 1], dtype=torch.int32, device=dev),
+            torch.tensor([context], dtype=torch.int32, device=dev),
+            torch.arange(blocks, dtype=torch.int32, device=dev).view(1, -1))
+
+
 def time_mla(shape: str, contexts: list[int], calls: int, replays: int) -> list[dict[str, Any]]:
     """One decode token of ``shape``'s latent attention over each context, at every split count."""
     s = SHAPES[shape]
@@ -141,13 +150,10 @@ def time_mla(shape: str, contexts: list[int], calls: int, replays: int) -> list[
     dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
     rows = []
     for context in contexts:
-        blocks = -(-context // page)
+        blocks, qsl, lens, table = one_sequence(context, page, dev)
         cache = torch.randn(blocks, page, rank + rope, dtype=dtype, device=dev)
         q_nope = torch.randn(1, heads, rank, dtype=dtype, device=dev)
         q_rope = torch.randn(1, heads, rope, dtype=dtype, device=dev)
-        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        lens = torch.tensor([context], dtype=torch.int32, device=dev)
-        table = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, -1)
         times = {}
         for splits in (1, 2, 4, 8, 16, 32):
             if splits > blocks:
@@ -171,13 +177,10 @@ def time_attention(shape: str, contexts: list[int], calls: int, replays: int,
     dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
     rows = []
     for context in contexts:
-        blocks = -(-context // page)
+        blocks, qsl, lens, table = one_sequence(context, page, dev)
         k_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
         v_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
         q = torch.randn(1, heads, d, dtype=dtype, device=dev)
-        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-        lens = torch.tensor([context], dtype=torch.int32, device=dev)
-        table = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, -1)
         times = {}
         for block_n in tiles:
             for splits in (1, 2, 4, 8, 16, 32):
