@@ -52,7 +52,7 @@ from specloop.models.parallel import SINGLE
 from .base import DeviceStep, DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 from .draw import draw, plain_greedy
 from .chain_graphs import ChainGraphs, ProposalGraphs, greedy_drafts, greedy_graphed, take_drafts
-from .step_graphs import graphs_wanted, verification_shapes
+from .step_graphs import graphs_wanted, verification_shapes, warm_up_eager
 
 
 class DraftModelProposer(Proposer):
@@ -99,6 +99,9 @@ class DraftModelProposer(Proposer):
         self.graphs_on = graphs_wanted(self.config, self.device, self.attn_backend)
         if not self.graphs_on:
             return
+        # A catch-up over skipped tokens (after steps the policy drafted nothing after) or a new
+        # prompt runs eagerly: its attention variants compile now, not mid-run.
+        warm_up_eager(self._feed_step, self.device, self.block_size, self.config.max_model_len or 2048)
         c, k = self.config, self.num_speculative_tokens
         max_len = (c.max_model_len or 2048) + k + 1
         pool = None
