@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests offline decode decode8b prefill gemv tune rope breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests offline decode decode8b prefill gemv tune launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -75,13 +75,16 @@ for s in $stages; do
     tune)  # the few-rows kernel's splits of K at qwen3-0.6b, the MoE at 1-4 tokens, latent attention's splits
       stage gemv_tune "${T_TUNE:-240}" python3 benchmarks/gemv.py --out "$RES/tune" --shapes qwen3-0.6b --rows 1 \
              --sweep "${TUNE_SWEEP:-4,8:256,512:4:3:0,2,4}" --moe-tokens 1,2,4 --mla-shapes deepseek-v2-lite ;;
-    rope)  # rotary and KV write inside decode attention (the rope_in_attention option) against the separate kernel
-      stage rope_tests "${T_ROPE_TESTS:-120}" python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_backend.py \
-             -k "rope"
-      stage decode_rope_off "${T_DECODE_ROPE:-90}" python3 benchmarks/decode_latency.py --out "$RES/rope_off" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4 --no-rope-in-attention
-      stage decode_rope_on "${T_DECODE_ROPE:-90}" python3 benchmarks/decode_latency.py --out "$RES/rope_on" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4 --rope-in-attention ;;
+    launches)  # fewer launches a layer, each off by default until measured: rotary inside decode attention
+               # (rope_in_attention), split sums by the last program (last_sums); their GPU tests, then decode
+      stage launches_tests "${T_LAUNCHES_TESTS:-150}" python3 -P -m pytest -q -m gpu -p no:cacheprovider \
+             tests/test_gpu_backend.py -k "rope or skinny_linear"
+      for opts in "--no-rope-in-attention --no-last-sums" "--rope-in-attention" "--last-sums" \
+                  "--rope-in-attention --last-sums"; do
+        name=$(echo "$opts" | tr -d '-' | tr ' ' '_')
+        stage "decode_$name" "${T_DECODE_LAUNCHES:-80}" python3 benchmarks/decode_latency.py --out "$RES/$name" \
+             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4 $opts
+      done ;;
     tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
         stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
              --runs "${TP_RUNS:-llama3-8b@1,llama3-8b@2,llama3-8b@4,llama3-70b:10@4}" --dp "" ;;

@@ -266,6 +266,24 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
+    # Slices of K added by the last program of each column block to arrive (``set_last_sums``): the
+    # second pass's bits, with a bias, the norm and the activation prologues; counters back at zero.
+    import specloop.kernels.gemv as gemv
+
+    x, w, b = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (50, 1100), (50,)))
+    r, nw, gate_up = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (1100,), (2, 2200)))
+    calls = (lambda: skinny_linear(x, w, b, tile=(64, 4, 2), block_n=8, split=4, num_sms=4),
+             lambda: skinny_norm_linear(x, r, nw, 1e-6, w, tile=(64, 4, 2), split=4, num_sms=4)[0],
+             lambda: skinny_gated_linear(gate_up, w, tile=(64, 4, 2), split=2, num_sms=4))
+    try:
+        for call in calls:
+            gemv.set_last_sums(False)
+            want = call()
+            gemv.set_last_sums(True)
+            assert torch.equal(call(), want), "the last program's sum differs from the second pass's"
+        assert not gemv._counters(torch.device(device)).any(), "arrival counters left non-zero"
+    finally:
+        gemv.set_last_sums(False)
     # Per-head products of one token (latent attention's W_UK and W_UV): weights contiguous along
     # the outputs, and a transposed view contiguous along the reduction, as the model holds them.
     from specloop.kernels.gemv import head_gemv
@@ -593,6 +611,12 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 for block_n, split in ((4, 1), (4, 2), (8, 1), (16, 1)):
                     gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=block_n,
                                        split=split)
+                gemv.set_last_sums(True)  # the slices added by the last program to arrive
+                try:
+                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=4, split=4)
+                    gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, block_n=4, split=4)
+                finally:
+                    gemv.set_last_sums(False)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
                                    tile=tile)
                 h = torch.randn(rows, 1024, dtype=dtype)

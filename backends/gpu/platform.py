@@ -25,7 +25,10 @@ default on where it pays: for a model whose every projection fits a third of L2,
 mostly launch gaps; on the H200 it made qwen3-0.6b's batch-1 decode 10% faster and llama3-8b's 6.5%
 slower) and ``rope_in_attention`` (default off, not yet measured on a GPU: a decode step's q/k norms,
 rotary embedding and KV write run inside the attention kernel, one launch a layer fewer;
-``kernels.paged_attention.DecodeRope``). Any other key is refused.
+``kernels.paged_attention.DecodeRope``) and ``last_sums`` (default off, not yet measured on a GPU: a
+few-rows projection split along its inputs has its slices added by the last program of each column
+block to finish, counted by an atomic, instead of by a second kernel; ``kernels.gemv.set_last_sums``).
+Any other key is refused.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernels import pdl
-from specloop.kernels.gemv import few_rows_linear
+from specloop.kernels.gemv import few_rows_linear, set_last_sums
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 
@@ -60,7 +63,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl", "rope_in_attention")
+               "late_verification", "pdl", "rope_in_attention", "last_sums")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -75,6 +78,7 @@ class GpuPlatform:
         self.late_verification = bool(opts.get("late_verification", True))
         self.pdl = None if opts.get("pdl") is None else bool(opts["pdl"])  # None: where it pays
         self.rope_in_attention = bool(opts.get("rope_in_attention", False))
+        self.last_sums = bool(opts.get("last_sums", False))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -93,6 +97,7 @@ class GpuPlatform:
         pdl.set_enabled(self.pdl if self.pdl is not None else pdl_pays(runner.model, runner.device))
         if hasattr(runner.attn_backend, "rope_in_attention"):
             runner.attn_backend.rope_in_attention = self.rope_in_attention
+        set_last_sums(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:
