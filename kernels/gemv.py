@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import last_sums, pdl
+from .last_sums import arrive
 from .matmul import linear_rows
 from .pdl import prefetch_l2, wait_previous
 
@@ -123,9 +124,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
         offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
         tl.store(out_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
         if LAST_SUMS:  # the column block's last slice to arrive adds them all, in order
-            tl.debug_barrier()  # every thread's partial sums stored before the count (released by it)
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
+            if arrive(count_ptr, pid_n, SPLIT):
                 total = tl.zeros([M_PAD, BLOCK_N], tl.float32)
                 for s in tl.static_range(SPLIT):
                     total += tl.load(out_ptr + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :],
@@ -134,7 +133,6 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
                     total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(final_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                          total.to(final_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-                tl.store(count_ptr + pid_n, 0)  # zero again for the next launch
 
 
 @triton.jit
@@ -175,31 +173,6 @@ def choose_split(n: int, k: int, block_n: int, block_k: int, num_sms: int) -> in
     while split < 8 and programs * split < 4 * num_sms and k // (2 * split) >= block_k:
         split *= 2
     return split
-
-
-_LAST_SUMS = False
-MAX_COUNTERS = 4096  # column blocks a split launch may count arrivals for
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def set_last_sums(on: bool, device: torch.device | None = None) -> None:
-    """Slices of ``K`` added by the last program of each column block to finish, counted with an
-    atomic, instead of by a second kernel (one launch fewer per split projection; the same sums in
-    the same order). The GPU runner's ``last_sums`` option; ``device``: allocate its counters now,
-    before any CUDA graph is captured."""
-    global _LAST_SUMS
-    _LAST_SUMS = bool(on)
-    if on and device is not None:
-        _counters(device)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Arrival counts per column block, zero between launches (the last program zeroes its own)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,15 +259,15 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(x2.device):
         line = pdl.LINE_BYTES // weight.element_size()
         prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
-    last_sums = split > 1 and _LAST_SUMS and triton.cdiv(n, block_n) <= MAX_COUNTERS
+    by_last = split > 1 and last_sums.enabled() and triton.cdiv(n, block_n) <= last_sums.MAX_COUNTS
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
-        bias if has_bias else weight, target, out, _counters(x2.device) if last_sums else target,
+        bias if has_bias else weight, target, out, last_sums.counts(x2.device) if by_last else target,
         m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
         eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
         PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
-        LAST_SUMS=last_sums, num_warps=num_warps, num_stages=num_stages, **launch)
-    if split > 1 and not last_sums:
+        LAST_SUMS=by_last, num_warps=num_warps, num_stages=num_stages, **launch)
+    if split > 1 and not by_last:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),
                                                        HAS_BIAS=has_bias, SPLIT=split, BLOCK=block, **launch)

@@ -14,23 +14,24 @@ over-counts by at most one block per sequence, which lets the grid be sized from
 decode batch (every sequence one new token) uses ``BLOCK_Q = 1``: program ``s`` is sequence ``s``,
 with no search (sequences with no new token, e.g. CUDA-graph padding, exit).
 With ``splits > 1`` (flash-decoding) each program covers one slice of the KV range and writes a
-partial result that :func:`_reduce_splits_kernel` merges; this keeps the chip busy when few
-sequences decode over long contexts.
+partial result that :func:`_reduce_splits_kernel` merges (or, in a decode step with
+``kernels.last_sums`` on, the last split of each sequence's KV head to finish); this keeps the chip
+busy when few sequences decode over long contexts.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import last_sums, pdl
+from .last_sums import arrive
 from .pdl import wait_previous
-from .qk_rope_cache import rope_heads
+from .qk_rope_cache import DecodeRope, rope_heads
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, eps,
+    pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, slot_ptr, eps, count_ptr,
     scale, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -75,7 +76,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
-    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    ROPE: tl.constexpr, HAS_NORM: tl.constexpr, NUM_KV_HEADS: tl.constexpr, LAST_SUMS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -183,6 +184,26 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if LAST_SUMS:  # (decode) the last split of the sequence's KV head to finish merges them all
+            if arrive(count_ptr, seq * NUM_KV_HEADS + kv_head, NUM_SPLITS):
+                first = (token * NUM_Q_HEADS + q_head) * NUM_SPLITS
+                m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for s in range(NUM_SPLITS):
+                    m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok,
+                                                      other=float("-inf"), cache_modifier=".cg"))
+                m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+                denom = tl.zeros([BLOCK_M], tl.float32)
+                total = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+                for s in range(NUM_SPLITS):  # in order, as _reduce_splits_kernel weighs them
+                    m_s = tl.load(part_ml_ptr + (first + s) * 2, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    l_s = tl.load(part_ml_ptr + (first + s) * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    w = tl.where(l_s > 0.0, tl.math.exp2(m_s - m_max), 0.0)
+                    denom += l_s * w
+                    total += tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM_PAD + dims[None, :],
+                                     mask=row_ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
+                out = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
+                o_offs = token[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
+                tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit
@@ -244,20 +265,6 @@ def prefill_splits(num_splits: int, num_seqs: int, num_tokens: int, block_q: int
     if num_splits > 1 and q_tiles >= 2 * num_seqs:
         return 1 << int(math.log2(max(1, num_splits * num_seqs // q_tiles)))
     return num_splits
-
-
-class DecodeRope(NamedTuple):
-    """A decode step's q/k norms, rotary embedding and KV write, done inside the attention kernel
-    (``paged_attention(rope=...)``), rounded as :func:`specloop.kernels.qk_rope_cache.qk_rope_cache`
-    rounds them: one launch a layer fewer at batch 1."""
-
-    positions: torch.Tensor  # [num_tokens], each new token's position
-    cos: torch.Tensor  # float32 [max_position, head_dim / 2]
-    sin: torch.Tensor
-    slot_mapping: torch.Tensor  # [num_tokens], cache slot of each new token (-1: no write)
-    q_norm_weight: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3), both or neither
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
 
 
 def paged_attention(
@@ -348,6 +355,8 @@ def paged_attention(
         part_ml = torch.empty(num_tokens * num_q_heads * num_splits * 2, dtype=torch.float32, device=q.device)
     else:  # unused; float32 like the real ones, so that both run one compile
         part_acc = part_ml = _unused_parts(q.device)
+    # A decode step's splits merged by the last of each sequence's KV head to finish (kernels.last_sums).
+    by_last = decode and num_splits > 1 and last_sums.enabled() and num_seqs * num_kv_heads <= last_sums.MAX_COUNTS
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
@@ -355,6 +364,7 @@ def paged_attention(
            rope.q_norm_weight if rope.q_norm_weight is not None else rope.cos,
            rope.k_norm_weight if rope.k_norm_weight is not None else rope.cos, rope.slot_mapping, rope.eps)
           if rope is not None else (seq_lens, part_ml, part_ml, part_ml, part_ml, seq_lens, 0.0)),
+        last_sums.counts(q.device) if by_last else seq_lens,
         scale, num_seqs,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -366,11 +376,11 @@ def paged_attention(
         BLOCK_Q=block_q, BLOCK_M=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
         ROPE=rope is not None, HAS_NORM=rope is not None and rope.q_norm_weight is not None,
-        NUM_KV_HEADS=num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads, LAST_SUMS=by_last,
         num_warps=num_warps, num_stages=num_stages,
         **pdl.launch_options(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not by_last:
         # Every (token, head, split) slot of a real token is written, with l = 0 for empty splits;
         # tokens past query_start_loc[-1] (CUDA-graph padding) get undefined rows nobody reads.
         _reduce_splits_kernel[(num_tokens, num_q_heads)](

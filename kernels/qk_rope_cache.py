@@ -10,6 +10,8 @@ rotated k and the untouched v go straight to ``slot_mapping[t]`` of the caches (
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,20 @@ def _rope(x1, x2, c, s):
     a2 = (f2 * c).to(dt).to(tl.float32)
     b2 = (f1 * s).to(dt).to(tl.float32)
     return (a1 + b1).to(dt), (a2 + b2).to(dt)
+
+
+class DecodeRope(NamedTuple):
+    """A decode step's q/k norms, rotary embedding and KV write, done inside the attention kernel
+    (``kernels.paged_attention.paged_attention(rope=...)``), rounded as :func:`qk_rope_cache`
+    rounds them: one launch a layer fewer at batch 1."""
+
+    positions: torch.Tensor  # [num_tokens], each new token's position
+    cos: torch.Tensor  # float32 [max_position, head_dim / 2]
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens], cache slot of each new token (-1: no write)
+    q_norm_weight: torch.Tensor | None = None  # per-head RMSNorm of q and k (Qwen3), both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 @triton.jit

@@ -87,6 +87,17 @@ def check_paged_attention(device: str, dtype: torch.dtype, cases: list | None = 
         ref = reference_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5)
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"attention case {nq, nkv, d, ps, q_lens, ctx, splits}: rel err {err:.2e}"
+        if max(q_lens) == 1 and splits > 1:  # a decode step's splits merged by the last to finish
+            import specloop.kernels.last_sums as last_sums
+
+            last_sums.set_enabled(True)
+            try:
+                merged = paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=1,
+                                         num_splits=splits)
+            finally:
+                last_sums.set_enabled(False)
+            assert rel_err(merged, ref) < TOL[dtype], f"attention merged by its last split: {rel_err(merged, ref):.2e}"
+            assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
 
 
 def check_attention_rope(device: str, dtype: torch.dtype) -> None:
@@ -266,9 +277,9 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
-    # Slices of K added by the last program of each column block to arrive (``set_last_sums``): the
+    # Slices of K added by the last program of each column block to arrive (``kernels.last_sums``): the
     # second pass's bits, with a bias, the norm and the activation prologues; counters back at zero.
-    import specloop.kernels.gemv as gemv
+    import specloop.kernels.last_sums as last_sums
 
     x, w, b = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (50, 1100), (50,)))
     r, nw, gate_up = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (1100,), (2, 2200)))
@@ -277,13 +288,13 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
              lambda: skinny_gated_linear(gate_up, w, tile=(64, 4, 2), split=2, num_sms=4))
     try:
         for call in calls:
-            gemv.set_last_sums(False)
+            last_sums.set_enabled(False)
             want = call()
-            gemv.set_last_sums(True)
+            last_sums.set_enabled(True)
             assert torch.equal(call(), want), "the last program's sum differs from the second pass's"
-        assert not gemv._counters(torch.device(device)).any(), "arrival counters left non-zero"
+        assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
     finally:
-        gemv.set_last_sums(False)
+        last_sums.set_enabled(False)
     # Per-head products of one token (latent attention's W_UK and W_UV): weights contiguous along
     # the outputs, and a transposed view contiguous along the reduction, as the model holds them.
     from specloop.kernels.gemv import head_gemv
@@ -555,6 +566,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.fused_moe as moe
     import specloop.kernels.gemv as gemv
     import specloop.kernels.kv_write as kv_write_mod
+    import specloop.kernels.last_sums as last_sums
     import specloop.kernels.matmul as matmul
     import specloop.kernels.mla_attention as mla
     import specloop.kernels.mla_rope_cache as mla_rope
@@ -600,6 +612,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                           num_splits=splits)
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           num_splits=splits)
+            last_sums.set_enabled(True)  # a decode step's splits merged by the last to finish
+            try:
+                attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1, num_splits=8)
+            finally:
+                last_sums.set_enabled(False)
             from specloop.backends.gpu.triton_attention import TritonAttentionBackend
 
             for max_q in (1, 300):  # batch-invariant mode
@@ -611,12 +628,12 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 for block_n, split in ((4, 1), (4, 2), (8, 1), (16, 1)):
                     gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=block_n,
                                        split=split)
-                gemv.set_last_sums(True)  # the slices added by the last program to arrive
+                last_sums.set_enabled(True)  # the slices added by the last program to arrive
                 try:
                     gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=4, split=4)
                     gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, block_n=4, split=4)
                 finally:
-                    gemv.set_last_sums(False)
+                    last_sums.set_enabled(False)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
                                    tile=tile)
                 h = torch.randn(rows, 1024, dtype=dtype)

@@ -27,7 +27,8 @@ slower) and ``rope_in_attention`` (default off, not yet measured on a GPU: a dec
 rotary embedding and KV write run inside the attention kernel, one launch a layer fewer;
 ``kernels.paged_attention.DecodeRope``) and ``last_sums`` (default off, not yet measured on a GPU: a
 few-rows projection split along its inputs has its slices added by the last program of each column
-block to finish, counted by an atomic, instead of by a second kernel; ``kernels.gemv.set_last_sums``).
+block to finish, counted by an atomic, instead of by a second kernel, and flash-decoding's splits
+merged likewise; ``kernels.last_sums``).
 Any other key is refused.
 """
 
@@ -40,8 +41,8 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
-from specloop.kernels import pdl
-from specloop.kernels.gemv import few_rows_linear, set_last_sums
+from specloop.kernels import last_sums, pdl
+from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 
@@ -97,7 +98,7 @@ class GpuPlatform:
         pdl.set_enabled(self.pdl if self.pdl is not None else pdl_pays(runner.model, runner.device))
         if hasattr(runner.attn_backend, "rope_in_attention"):
             runner.attn_backend.rope_in_attention = self.rope_in_attention
-        set_last_sums(self.last_sums, runner.device if runner.device.type == "cuda" else None)
+        last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:
