@@ -18,6 +18,8 @@ answer whatever the split. min-p rows run whole (the threshold needs the row's m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -92,14 +94,18 @@ def _merge_chunks_kernel(part_ptr, out_ptr, CHUNKS: tl.constexpr):
     tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 3.0e38), 0).to(tl.int64))
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _chunks(num_rows: int, vocab: int, block: int, device: torch.device) -> int:
     """Programs a row: enough for two a SM over the batch, each at least one ``block`` of the
     vocabulary, at most 64 (a power of two). A batch of one row would otherwise stream the whole
     vocabulary through one SM (tens of microseconds at 150k entries)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = min(64, triton.cdiv(2 * sms, num_rows), vocab // block)
+    want = min(64, triton.cdiv(2 * _num_sms(device), num_rows), vocab // block)
     return 1 << (max(want, 1).bit_length() - 1)
 
 
@@ -160,8 +166,8 @@ def _launch(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch
     chunk_len = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk_len)
     chunks = 1 << (chunks - 1).bit_length()  # a power of two (the merge's arange); spare chunks are empty
-    part = torch.empty(num_rows * chunks * 2 if chunks > 1 else 1, dtype=torch.float32, device=logits.device)
-    dummy = temperature if temperature is not None else part
+    part = torch.empty(num_rows * chunks * 2, dtype=torch.float32, device=logits.device) if chunks > 1 else out
+    dummy = temperature if temperature is not None else logits
     _gumbel_sample_kernel[(num_rows, chunks)](
         logits, logits.stride(0), dummy, min_p if min_p is not None else dummy,
         seeds if seeds is not None else out, positions if positions is not None else out, out, part,
