@@ -175,9 +175,9 @@ class AdaptivePolicy:
       length, on steps that ran amid steps of the same length (:meth:`observe_rate`: what a step
       with drafts costs against one that overlaps the next, drafting included; the drafting stage
       leaves out the steps whose interval holds an admission's prefill), decayed by ``decay`` per
-      step measured. A bucket
-      that has not measured a length borrows it from the nearest bucket that has, scaled by a
-      length both measured; a length between two it has measured (0 and ``K``) is interpolated.
+      step measured. A bucket that has not measured a length borrows it from the nearest bucket
+      that has, scaled by a length both measured; a length between two it has measured (0 and
+      ``K``) is interpolated.
       A step counts at most ``OUTLIER`` times the estimate it joins: one pause (a garbage
       collection, the machine busy elsewhere) would otherwise mark its length dear for many steps.
 
@@ -193,12 +193,12 @@ class AdaptivePolicy:
     interpolated), in runs of ``probe_len`` steps; 0 and ``K`` measured only in other buckets (their
     figures borrowed) as soon as probes may come. The other lengths are probed again as often as
     keeps their expected loss, together, under ``probe_cost`` of the time (each its share): a probe
-    loses its steps' shortfall
-    against the best rate (at the length's estimated rate) plus what its two switches cost (a
-    pipeline drains, a proposer catches up on the tokens it skipped: the measured excess of the
-    first step of a run of each length over its steady step, one step until measured), so it comes
-    once that loss is its share of ``probe_cost`` of the steps since the last, and not more often than every
-    ``min_interval`` steps nor less often than every ``max_interval``: a one-time cost (a kernel
+    loses its steps' shortfall against the best rate (at the length's estimated rate) plus what
+    its two switches cost (a pipeline drains, a proposer catches up on the tokens it skipped: the
+    measured excess of the first step of a run of each length over its steady step, one step until
+    measured), so it comes once that loss is its share of ``probe_cost`` of the steps since the
+    last, and not more often than every ``min_interval`` steps nor less often than every
+    ``max_interval``: a one-time cost (a kernel
     compiled in a run's first step) must not mark a length dear for good. The lengths that far
     behind (their loss would allow a longer interval) take turns: one probe of them every
     ``max_interval`` steps, the one that waited longest, since a proposer whose drafts lose would
