@@ -78,7 +78,7 @@ for s in $stages; do
     launches)  # fewer launches a layer, each off by default until measured: rotary inside decode attention
                # (rope_in_attention), split sums by the last program (last_sums); their GPU tests, then decode
       stage launches_tests "${T_LAUNCHES_TESTS:-150}" python3 -P -m pytest -q -m gpu -p no:cacheprovider \
-             tests/test_gpu_backend.py -k "rope or skinny_linear"
+             tests/test_gpu_backend.py -k "rope or skinny_linear or paged_attention or launch_options"
       for opts in "--no-rope-in-attention --no-last-sums" "--rope-in-attention" "--last-sums" \
                   "--rope-in-attention --last-sums"; do
         name=$(echo "$opts" | tr -d '-' | tr ' ' '_')

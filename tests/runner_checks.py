@@ -142,11 +142,13 @@ def check_few_rows_decode(device: str, variant: str) -> None:
     assert outs[True] == outs[False], (variant, outs)
 
 
-def check_rope_in_attention(device: str, variant: str) -> None:
-    """The ``rope_in_attention`` option (a decode step's q/k norms, rotary embedding and KV write
-    inside the attention kernel) decodes two requests in float16 to the tokens of the separate
-    kernels, and its decode steps take the fused path (prefill steps do not)."""
+def check_launch_options(device: str, variant: str, options: tuple[str, ...] = ("rope_in_attention",)) -> None:
+    """The GPU options that save launches (``rope_in_attention``: a decode step's q/k norms, rotary
+    embedding and KV write inside the attention kernel; ``last_sums``: split sums added by the last
+    program to finish) decode two requests in float16 to the tokens of the separate kernels, and
+    with ``rope_in_attention`` the decode steps take the fused path (prefill steps do not)."""
     import specloop.backends.gpu.triton_attention as pa
+    import specloop.kernels.last_sums as last_sums
 
     model = tiny(variant)
     fused = []
@@ -162,7 +164,7 @@ def check_rope_in_attention(device: str, variant: str) -> None:
         for on in (False, True):
             fused.clear()
             runner = make_runner(model.path, "gpu", device, "float16",
-                                 plugin_options={"gpu": {"rope_in_attention": on}})
+                                 plugin_options={"gpu": {name: on for name in options}})
             plans = Plans(runner, 4, 64)
             batch = dict(zip("ab", prompts(2, seed=3, min_len=5, max_len=11)))
             for rid, prompt in batch.items():
@@ -171,10 +173,16 @@ def check_rope_in_attention(device: str, variant: str) -> None:
             for _ in range(8):
                 plans.run({"a": 1, "b": 1})
             outs[on] = {rid: plans.reqs[rid].tokens for rid in "ab"}
-            assert any(fused) == on and (not on or fused.count(True) >= 8), (on, fused)
+            if "rope_in_attention" in options:
+                assert any(fused) == on and (not on or fused.count(True) >= 8), (on, fused)
+            if "last_sums" in options:
+                assert last_sums.enabled() == on
+                assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
+            runner.shutdown()
     finally:
         pa.paged_attention = attention
-    assert outs[True] == outs[False], (variant, outs)
+        last_sums.set_enabled(False)
+    assert outs[True] == outs[False], (variant, options, outs)
 
 
 def check_decode_graph_draws(device: str) -> None:
@@ -558,7 +566,7 @@ def _main() -> None:
         return
     if sys.argv[1].startswith("rope:"):
         for variant in sys.argv[1].partition(":")[2].split(","):
-            check_rope_in_attention("cpu", variant)
+            check_launch_options("cpu", variant)
         print("ok rope")
         return
     if sys.argv[1].startswith("launch:"):

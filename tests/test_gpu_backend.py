@@ -86,9 +86,11 @@ def test_decode_graphs_draw_the_torch_runners_tokens() -> None:
     rc.check_decode_graph_draws("cuda")
 
 
+@pytest.mark.parametrize("options", [("rope_in_attention",), ("last_sums",), ("rope_in_attention", "last_sums")],
+                         ids="+".join)
 @pytest.mark.parametrize("variant", ["qwen3", "llama"])
-def test_rope_in_attention_decodes_the_same_tokens(variant: str) -> None:
-    rc.check_rope_in_attention("cuda", variant)
+def test_launch_options_decode_the_same_tokens(variant: str, options: tuple[str, ...]) -> None:
+    rc.check_launch_options("cuda", variant, options)
 
 
 def test_async_scheduling_matches_synchronous_torch_runner() -> None:
