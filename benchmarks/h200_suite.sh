@@ -112,7 +112,7 @@ for s in $stages; do
       stage step_phases "${T_PHASES:-150}" python3 benchmarks/step_phases.py --out "$RES/phases" --device cuda \
              --batch "${PHASES_BATCH:-32}" --methods "${SPEC_METHODS:-ngram,eagle3}" ${PHASES_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
-             --ckpt-root "$CKPT" ;;
+             --ckpt-root "$CKPT" ${BREAKDOWN_ARGS:-} ;;
     mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
              ${MTP_ARGS:-} ;;
     deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers

@@ -10,7 +10,9 @@ runner's ``execute_model`` (state update, input preparation, the forward's launc
 a launched proposal's parts, and every CUDA graph replay. Reported per engine: wall ms a step and
 each phase's ms a step, averaged over the run (a phase that waits for the device counts its wait),
 and the run's step times by speculation length (``spec_decode.StepTimes``). With ``--profile``,
-a cProfile of one more run of each engine goes to ``--out``.
+a cProfile of one more run of each engine goes to ``--out``; with ``--kernels``, the GPU kernels of
+one more run (calls and device microseconds a step, by kernel, CUDA-graph replays included) are
+reported beside the phases, so that work an engine adds on the device shows as well as on the host.
 
     python benchmarks/step_phases.py --batch 32 --methods ngram,eagle3 --out out/phases
 """
@@ -80,6 +82,26 @@ def instrument(core: Any) -> dict[str, list[float]]:
     return totals
 
 
+def kernel_profile(engine: Any, steps: int) -> dict[str, Any]:
+    """The GPU kernels of one more run of ``engine``, per step of the timed run (``steps``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": round(us / steps, 2),
+                         "calls_per_step": round(e.count / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = {"us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
+             "calls_per_step": round(sum(r["calls_per_step"] for r in rows), 1)}
+    return {"total": total, "top": rows[:30]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     base_args(parser)
@@ -91,9 +113,14 @@ def main() -> None:
     parser.add_argument("--output-len-spread", type=float, default=0.0,
                         help="per-prompt output lengths, as spec_decode.py --output-len-spread")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="profile one more run's GPU kernels")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of each engine: the first "
+                        "instrumented, the others before it plain (their min and median reported)")
     parser.add_argument("--engines", default="", help="run only the engines whose name contains one of "
                         "these comma-separated words (the engine without drafts always runs)")
     args = parser.parse_args()
+    if args.kernels and not str(args.device).startswith("cuda"):
+        parser.error("--kernels profiles GPU kernels: it needs --device cuda")
     model = os.path.join(spec_decode.ROOT, "default_models", "specloop-tiny")
     run_args = argparse.Namespace(
         model=model, draft_model=model + "-draft", prompts="heldout", prompt_len=256, output_len=128, seed=0,
@@ -125,10 +152,16 @@ def main() -> None:
         run_args.length_zero, run_args.early_verification = zero, early
         engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
         engine.run()  # warm-up: compiles, graph pools, the policy's first probes
+        for _ in range(args.repeat - 1):  # uninstrumented runs, timed whole
+            engine.run()
+        plain = sorted(engine.times[1:])
         totals = instrument(engine.llm.core)
         engine.run()
         steps = max(int(totals["step"][0]), 1)
         row = {"ms_per_step": round(1e3 * engine.times[-1] / steps, 3), "steps": steps,
+               **({"uninstrumented ms a step (min, median)": [round(1e3 * plain[0] / steps, 3),
+                                                              round(1e3 * plain[len(plain) // 2] / steps, 3)]}
+                  if plain else {}),
                **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()}}
         if engine.step_times is not None and engine.step_times.runs:
             row["step times by length (steps, ms)"] = engine.step_times.runs[-1]
@@ -144,6 +177,11 @@ def main() -> None:
                 pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
             with open(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.txt"), "w") as f:
                 f.write(text.getvalue())
+        if args.kernels:
+            row["kernels"] = kernel_profile(engine, steps)
+            report(f"batch {args.batch}: {name}, GPU kernels a step", row["kernels"]["total"])
+            for k in row["kernels"]["top"][:12]:
+                print(f"    {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel']}")
         engine.llm.core.shutdown()
         del engine
     with open(os.path.join(args.out, f"step_phases_b{args.batch}.json"), "w") as f:
