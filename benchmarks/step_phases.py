@@ -162,7 +162,8 @@ def main() -> None:
                **({"uninstrumented ms a step (min, median)": [round(1e3 * plain[0] / steps, 3),
                                                               round(1e3 * plain[len(plain) // 2] / steps, 3)]}
                   if plain else {}),
-               **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()}}
+               **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()},
+               "calls a step": {label: round(calls / steps, 2) for label, (calls, _) in totals.items() if calls}}
         if engine.step_times is not None and engine.step_times.runs:
             row["step times by length (steps, ms)"] = engine.step_times.runs[-1]
         results[name] = row
