@@ -2,8 +2,12 @@
 set -u
 export OUT=${OUT:-out}
 export SPECLOOP_COMMIT=$(cat .commit 2>/dev/null)
-PHASES_BATCH=1 SPEC_METHODS=medusa,draft_model T_PHASES=200 PHASES_ARGS="--kernels --repeat 5 --engines length,adaptive" \
-  BREAKDOWN_ARGS="--batch-sizes 1,64 --steps 20 --warm-steps 6" T_BREAKDOWN=90 bash benchmarks/h200_suite.sh phases breakdown
-cp /tmp/specloop-results/step_phases.log /tmp/specloop-results/step_phases_b1.log
-PHASES_BATCH=8 SPEC_METHODS=medusa T_PHASES=120 PHASES_ARGS="--kernels --repeat 5 --engines length,adaptive" \
-  bash benchmarks/h200_suite.sh phases
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/specloop
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:/tmp/pkg
+bash benchmarks/h200_suite.sh none >/dev/null 2>&1  # dist-info only
+lscpu | grep -E "Model name|MHz|NUMA node|Thread" ; cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>/dev/null
+A="--device cuda --batch-sizes 1 --ks 3 --methods medusa --continuous --length-zero --control --repeat 9 --min-rounds 2"
+echo "=== unpinned"; python3 benchmarks/spec_decode.py --out $OUT/u $A 2>&1 | grep -E "all runs|speedup|control"
+echo "=== pinned to core 5"; taskset -c 5 python3 benchmarks/spec_decode.py --out $OUT/p $A 2>&1 | grep -E "all runs|speedup|control"
+echo "=== pinned to cores 4-7"; taskset -c 4-7 python3 benchmarks/spec_decode.py --out $OUT/p4 $A 2>&1 | grep -E "all runs|speedup|control"

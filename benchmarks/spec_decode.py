@@ -173,6 +173,10 @@ class PolicyTrace:
 
         policy.drafting, policy.observe_rate = traced_drafting, traced_observe_rate
 
+    def reset(self) -> None:
+        self.lengths.clear()
+        self.steps.clear()
+
     def summary(self) -> dict[str, Any]:
         runs: list[list[int]] = []
         for n in self.lengths:
@@ -361,6 +365,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed runs per configuration, alternating with no speculation; the fastest counts "
                              "(0: one run each, not alternated)")
+    parser.add_argument("--warm-seconds", type=float, default=None,
+                        help="untimed runs of the first engine until this long after its first (default 10 on "
+                             "CUDA: an H200 left idle runs a host-bound step up to twice as slowly for its first "
+                             "seconds of work; 0 on the CPU)")
+    parser.add_argument("--warm-runs", type=int, default=1,
+                        help="untimed runs of each further engine before its timed runs (with --repeat)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
                              "and a busy machine makes a multi-threaded pool stall)")
@@ -384,6 +394,8 @@ def main() -> None:
                         help="plugin_options gpu device_proposals=False: propose on the host after reading each "
                              "verification, never launching a proposal from the device (what launching gains)")
     args = parser.parse_args()
+    if args.warm_seconds is None:
+        args.warm_seconds = 10.0 if args.device.startswith("cuda") else 0.0
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.methods is None:
@@ -422,13 +434,19 @@ def main() -> None:
         batch = prompts[:num_prompts(args, b)]
         base = Engine(args, batch, b, None)
         base.run()
+        warm_until = time.perf_counter() + args.warm_seconds
+        while time.perf_counter() < warm_until:  # until the device has left its idle clocks
+            base.run()
         base_cost = base.costs()
         report(f"batch {b}: no speculation", {"seconds": base.seconds, "steps": base.stats["steps"],
                                              "output tok/s": base.stats["output_tokens"] / base.seconds,
                                              "target forward ms/step": 1e3 * base_cost["forward_s"]})
         if args.control:  # an A/A pair: a second engine without drafts, alternated as the others are
             other = Engine(args, batch, b, None)
+            for _ in range(args.warm_runs):
+                other.run()
             base.times.clear()
+            other.times.clear()
             for _ in range(max(args.repeat, 1)):
                 base.run()
                 other.run()
@@ -437,8 +455,8 @@ def main() -> None:
                              "base_runs_seconds": list(base.times)})
             report(f"batch {b}: control (a second engine without drafts)", {
                 "speedup": controls[-1]["speedup"],
-                "all runs (first engine)": " ".join(f"{t:.3f}" for t in other.times)
-                                           + " (" + " ".join(f"{t:.3f}" for t in base.times) + ")"})
+                "all runs (second engine)": " ".join(f"{t:.3f}" for t in other.times)
+                                            + " (first: " + " ".join(f"{t:.3f}" for t in base.times) + ")"})
             other.close()
         for method in args.methods:
             for k in args.ks:
@@ -464,7 +482,15 @@ def main() -> None:
                 # Alternate the two engines so that both see the same machine conditions (--repeat 0:
                 # one run with speculation against the first run without, for acceptance tables).
                 if args.repeat:
+                    for _ in range(args.warm_runs):  # compiles, first replays, the policy's first probes
+                        engine.run()
                     base.times.clear()
+                    engine.times.clear()
+                    engine.stats = None  # counted again over the first timed run
+                    if engine.trace is not None:
+                        engine.trace.reset()
+                    if engine.step_times is not None:
+                        engine.step_times.runs.clear()
                 for _ in range(max(args.repeat, 1)):
                     if args.repeat:
                         base.run()
