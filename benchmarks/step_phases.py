@@ -10,7 +10,7 @@ runner's ``execute_model`` (state update, input preparation, the forward's launc
 a launched proposal's parts, and every CUDA graph replay. Reported per engine: wall ms a step and
 each phase's ms a step, averaged over the run (a phase that waits for the device counts its wait),
 and the run's step times by speculation length (``spec_decode.StepTimes``). With ``--profile``,
-a cProfile of one more run of each engine goes to ``--out``; with ``--kernels``, the GPU kernels of
+a cProfile of one more run of each engine goes to ``--out`` (text and pstats); with ``--kernels``, the GPU kernels of
 one more run (calls and device microseconds a step, by kernel, CUDA-graph replays included) are
 reported beside the phases, so that work an engine adds on the device shows as well as on the host.
 
@@ -181,6 +181,7 @@ def main() -> None:
             profile.enable()
             engine.run()
             profile.disable()
+            profile.dump_stats(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.pstats"))
             text = io.StringIO()
             for order in ("cumulative", "tottime"):
                 pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
