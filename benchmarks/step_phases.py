@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--kernels", action="store_true", help="profile one more run's GPU kernels")
     parser.add_argument("--warm-seconds", type=float, default=None,
-                        help="untimed runs of the first engine for this long (default 10 on CUDA, as spec_decode.py)")
+                        help="untimed runs of each engine for this long (default 10 on CUDA, as spec_decode.py)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each engine: the first "
                         "instrumented, the others before it plain (their min and median reported)")
     parser.add_argument("--engines", default="", help="run only the engines whose name contains one of "
@@ -156,8 +156,8 @@ def main() -> None:
         run_args.length_zero, run_args.early_verification = zero, early
         engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
         engine.run()  # warm-up: compiles, graph pools, the policy's first probes
-        warm_until = time.perf_counter() + (args.warm_seconds if not results else 0.0)
-        while time.perf_counter() < warm_until:  # the first engine's: until the device leaves its idle clocks
+        warm_until = time.perf_counter() + args.warm_seconds
+        while time.perf_counter() < warm_until:  # until the device leaves its idle clocks, and the process settles
             engine.run()
         warmed = len(engine.times)
         for _ in range(args.repeat - 1):  # uninstrumented runs, timed whole
@@ -193,6 +193,7 @@ def main() -> None:
             for k in row["kernels"]["top"][:12]:
                 print(f"    {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel']}")
         engine.llm.core.shutdown()
+        engine.close()  # the engine's objects unfrozen and freed before the next is built
         del engine
     with open(os.path.join(args.out, f"step_phases_b{args.batch}.json"), "w") as f:
         json.dump(results, f, indent=1)
