@@ -267,6 +267,7 @@ class TensorParallelRunner:
         if self.failure is None and not self._broken and all(p.is_alive() for p in self.workers):
             try:
                 self.tp.broadcast_object(("shutdown",))
+                self.tp.farewell()
             except (dist.DistBackendError, RuntimeError):
                 pass
         if hasattr(self, "local"):
@@ -303,6 +304,7 @@ def serve_worker(tp: TensorParallel, device: str) -> int:
     try:
         kind, *args = tp.broadcast_object()
         if kind == "shutdown":  # rank 0 failed before it could build anything
+            tp.farewell()
             return 0
         config, platform = args  # "build" comes first
         config.device = device
@@ -320,6 +322,9 @@ def serve_worker(tp: TensorParallel, device: str) -> int:
                         setattr(runner.config, f.name, getattr(args[0], f.name))
                 runner.initialize()
             elif kind == "shutdown":
+                runner.shutdown()
+                runner = None
+                tp.farewell()
                 return 0
     except Exception:
         logger.exception("tensor-parallel rank %d failed", tp.rank)

@@ -22,6 +22,8 @@ rank copies (and, from a lazily opened safetensors file, reads) only its own sli
 from __future__ import annotations
 
 import datetime
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -31,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelLoadError
+
+FAREWELL_S = 5.0  # the longest a rank waits for gloo to let go of its last exchange
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,20 @@ class TensorParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
+
+    def farewell(self) -> None:
+        """The ranks' last exchange before they leave (rank 0 sends, the others wait for it).
+        Gloo's threads retire an exchange after its caller has moved on, and retiring one drops
+        the Python tensors it held, which takes the GIL: a thread still doing that when the
+        interpreter finalizes is killed inside a destructor, which aborts the process. So the
+        exchange uses a tensor of its own and returns once gloo has let go of it (its reference
+        count is back), the GIL free meanwhile for the exchanges before it to retire as well."""
+        token = torch.zeros(1, dtype=torch.int64)
+        alone = sys.getrefcount(token)
+        dist.broadcast(token, src=0, group=self.cpu_group)
+        deadline = time.monotonic() + FAREWELL_S
+        while sys.getrefcount(token) > alone and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def broadcast_ints(self, values: torch.Tensor) -> torch.Tensor:
         """Rank 0's int64 host tensor, in place, on every rank (the others pass one of its size)."""
