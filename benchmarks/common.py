@@ -331,6 +331,23 @@ def cuda_time(fn: Callable[[], Any], repeat: int = 10, warmup: int = 3) -> float
     return sorted(times)[len(times) // 2]
 
 
+def gpu_kernels(work: Callable[[], Any], steps: int, top: int = 25) -> list[dict[str, Any]]:
+    """The GPU kernels ``work`` launches (CUDA-graph replays included), per step of ``steps``,
+    by total device time: ``{kernel, us_per_step, calls_per_step}``, the ``top`` first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_step": us / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def measure_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     if device.type != "cuda":

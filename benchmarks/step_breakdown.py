@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import base_args, build_checkpoint, environment, plot, report, save  # noqa: E402
+from common import base_args, build_checkpoint, environment, gpu_kernels, plot, report, save  # noqa: E402
 
 PHASES = ("schedule", "update_states", "prepare_host", "h2d_prepare", "forward", "sample_d2h", "update_from_output")
 
@@ -84,20 +84,11 @@ def timed_step(core: Any, device: torch.device) -> dict[str, float]:
 
 def kernel_profile(core: Any, steps: int) -> list[dict[str, Any]]:
     """GPU kernels of ``steps`` plain engine steps (graph replays included), by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def work() -> None:
         for _ in range(steps):
             core.step()
             core.post_step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if us > 0:
-            rows.append({"kernel": e.key[:90], "us_per_step": us / steps, "calls_per_step": e.count / steps})
-    rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:25]
+    return gpu_kernels(work, steps)
 
 
 def run_batch(llm: Any, batch: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # noqa: E402
-from common import base_args, report  # noqa: E402
+from common import base_args, gpu_kernels, report  # noqa: E402
 
 PHASES = {  # label: (object path from the engine core, method)
     "schedule": ("scheduler", "schedule"), "commit": ("", "_commit_oldest"),
@@ -84,22 +84,11 @@ def instrument(core: Any) -> dict[str, list[float]]:
 
 def kernel_profile(engine: Any, steps: int) -> dict[str, Any]:
     """The GPU kernels of one more run of ``engine``, per step of the timed run (``steps``)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.run()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if us > 0:
-            rows.append({"kernel": e.key[:90], "us_per_step": round(us / steps, 2),
-                         "calls_per_step": round(e.count / steps, 2)})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = gpu_kernels(engine.run, steps, top=10_000)
     total = {"us_per_step": round(sum(r["us_per_step"] for r in rows), 1),
              "calls_per_step": round(sum(r["calls_per_step"] for r in rows), 1)}
-    return {"total": total, "top": rows[:30]}
+    return {"total": total, "top": [dict(r, us_per_step=round(r["us_per_step"], 2),
+                                         calls_per_step=round(r["calls_per_step"], 2)) for r in rows[:30]]}
 
 
 def main() -> None:
