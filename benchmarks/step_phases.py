@@ -13,6 +13,12 @@ and the run's step times by speculation length (``spec_decode.StepTimes``). With
 a cProfile of one more run of each engine goes to ``--out`` (text and pstats); with ``--kernels``, the GPU kernels of
 one more run (calls and device microseconds a step, by kernel, CUDA-graph replays included) are
 reported beside the phases, so that work an engine adds on the device shows as well as on the host.
+``--control`` builds a second engine without drafts last: what a later engine of the same process
+costs, drafts aside. Each engine's report also carries the host CPU's speed as the interpreter sees
+it (a fixed pure-Python loop timed before and after the instrumented run), the CPU time of the
+process's other threads and of other processes: on a shared machine the host can run the same
+Python 1.5-1.8x slower for tens of seconds, and a comparison of engines timed in such different
+windows measures the machine, not the engines.
 
     python benchmarks/step_phases.py --batch 32 --methods ngram,eagle3 --out out/phases
 """
@@ -82,6 +88,46 @@ def instrument(core: Any) -> dict[str, list[float]]:
     return totals
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds each of this process's threads has used, by thread name (Linux; empty elsewhere)."""
+    used: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        key = "main" if int(tid) == os.getpid() else f"{name}:{tid}"
+        used[key] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return used
+
+
+def machine_cpu() -> list[int]:
+    """The machine's CPU time so far, in clock ticks: [busy, idle, steal] over all cores (Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return [0, 0, 0]
+    return [user + nice + system + irq + softirq, idle + iowait, steal]
+
+
+def python_loop_ms(n: int = 200_000) -> float:
+    """Wall milliseconds of a fixed pure-Python loop (best of three): the host CPU's speed as the
+    interpreter sees it, beside each engine's figures."""
+    items, best = list(range(16)), float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(n):
+            len(items) + items[i & 15]
+        best = min(best, time.perf_counter() - t0)
+    return round(1e3 * best, 2)
+
+
 def kernel_profile(engine: Any, steps: int) -> dict[str, Any]:
     """The GPU kernels of one more run of ``engine``, per step of the timed run (``steps``)."""
     rows = gpu_kernels(engine.run, steps, top=10_000)
@@ -109,6 +155,8 @@ def main() -> None:
                         "instrumented, the others before it plain (their min and median reported)")
     parser.add_argument("--engines", default="", help="run only the engines whose name contains one of "
                         "these comma-separated words (the engine without drafts always runs)")
+    parser.add_argument("--control", action="store_true", help="a second engine without drafts, built and "
+                        "run last: what a later engine of the same process costs, drafts aside")
     args = parser.parse_args()
     if args.kernels and not str(args.device).startswith("cuda"):
         parser.error("--kernels profiles GPU kernels: it needs --device cuda")
@@ -139,6 +187,8 @@ def main() -> None:
     if args.engines:
         words = args.engines.split(",")
         engines = [e for e in engines if e[1] is None or any(w in e[0] for w in words)]
+    if args.control:
+        engines.append(("no drafts, built last", None, False, False))
     os.makedirs(args.out, exist_ok=True)
     results = {}
     for name, spec, zero, early in engines:
@@ -153,14 +203,25 @@ def main() -> None:
             engine.run()
         plain = sorted(engine.times[warmed:])
         totals = instrument(engine.llm.core)
+        loop_before, cpu_before, machine_before = python_loop_ms(), thread_cpu(), machine_cpu()
         engine.run()
+        machine_after, cpu_after, loop_after = machine_cpu(), thread_cpu(), python_loop_ms()
+        busy, idle, steal = (a - b for a, b in zip(machine_after, machine_before))
+        ours = sum(cpu_after.values()) - sum(cpu_before.values())  # seconds
         steps = max(int(totals["step"][0]), 1)
+        others = {k: round(1e3 * (v - cpu_before.get(k, 0.0)) / steps, 3) for k, v in cpu_after.items() if k != "main"}
         row = {"ms_per_step": round(1e3 * engine.times[-1] / steps, 3), "steps": steps,
                **({"uninstrumented ms a step (min, median)": [round(1e3 * plain[0] / steps, 3),
                                                               round(1e3 * plain[len(plain) // 2] / steps, 3)]}
                   if plain else {}),
                **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()},
-               "calls a step": {label: round(calls / steps, 2) for label, (calls, _) in totals.items() if calls}}
+               "calls a step": {label: round(calls / steps, 2) for label, (calls, _) in totals.items() if calls},
+               "python loop ms (before, after)": [loop_before, loop_after],
+               "main thread cpu ms a step": round(1e3 * (cpu_after.get("main", 0.0) - cpu_before.get("main", 0.0)) / steps, 3),
+               "other threads cpu ms a step": {k: v for k, v in others.items() if v > 0} or 0,
+               "other processes' cpu (cores busy), steal %": [
+                   round(max(busy / (os.sysconf("SC_CLK_TCK") * engine.times[-1]) - ours / engine.times[-1], 0.0), 2),
+                   round(100 * steal / max(busy + idle + steal, 1), 2)]}
         if engine.step_times is not None and engine.step_times.runs:
             row["step times by length (steps, ms)"] = engine.step_times.runs[-1]
         results[name] = row
