@@ -13,7 +13,8 @@ and the run's step times by speculation length (``spec_decode.StepTimes``). With
 a cProfile of one more run of each engine goes to ``--out`` (text and pstats); with ``--kernels``, the GPU kernels of
 one more run (calls and device microseconds a step, by kernel, CUDA-graph replays included) are
 reported beside the phases, so that work an engine adds on the device shows as well as on the host.
-``--control`` builds a second engine without drafts last: what a later engine of the same process
+``--interleave`` builds every engine first and runs them in turn. ``--control`` builds a second
+engine without drafts last: what a later engine of the same process
 costs, drafts aside. Each engine's report also carries the host CPU's speed as the interpreter sees
 it (a fixed pure-Python loop timed before and after the instrumented run), the CPU time of the
 process's other threads and of other processes: on a shared machine the host can run the same
@@ -81,11 +82,21 @@ def instrument(core: Any) -> dict[str, list[float]]:
         feed.run = timed(totals, "feed graphs run", feed.run)
     import torch
 
+    return totals
+
+
+def file_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "=-" else "_" for c in label)
+
+
+def set_replay_totals(totals: dict[str, list[float]]) -> None:
+    """Count every CUDA graph replay from here on into ``totals`` (the engine about to run)."""
+    import torch
+
     graph = torch.cuda.CUDAGraph
     replay = getattr(graph, "_untimed_replay", graph.replay)
     graph._untimed_replay = replay
-    graph.replay = timed(totals, "graph replays", replay)  # every engine's, from here on
-    return totals
+    graph.replay = timed(totals, "graph replays", replay)
 
 
 def thread_cpu() -> dict[str, float]:
@@ -155,6 +166,12 @@ def main() -> None:
                         "instrumented, the others before it plain (their min and median reported)")
     parser.add_argument("--engines", default="", help="run only the engines whose name contains one of "
                         "these comma-separated words (the engine without drafts always runs)")
+    parser.add_argument("--interleave", action="store_true", help="build every engine first, then run them "
+                        "in turn (warm-up, plain, instrumented and profiled runs alike), so that they share "
+                        "the host's speed of the moment; without it each engine is built, measured and freed "
+                        "before the next")
+    parser.add_argument("--profile-rounds", type=int, default=1, help="profiled runs of each engine "
+                        "(with --profile), their counts summed")
     parser.add_argument("--control", action="store_true", help="a second engine without drafts, built and "
                         "run last: what a later engine of the same process costs, drafts aside")
     args = parser.parse_args()
@@ -190,19 +207,23 @@ def main() -> None:
     if args.control:
         engines.append(("no drafts, built last", None, False, False))
     os.makedirs(args.out, exist_ok=True)
-    results = {}
-    for name, spec, zero, early in engines:
+    results: dict[str, Any] = {}
+
+    def build(name: str, spec: dict[str, Any] | None, zero: bool, early: bool) -> Any:
         run_args.length_zero, run_args.early_verification = zero, early
         engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
         engine.run()  # warm-up: compiles, graph pools, the policy's first probes
+        return engine
+
+    def warm(group: list[Any]) -> None:  # until the device leaves its idle clocks, and the process settles
         warm_until = time.perf_counter() + args.warm_seconds
-        while time.perf_counter() < warm_until:  # until the device leaves its idle clocks, and the process settles
-            engine.run()
-        warmed = len(engine.times)
-        for _ in range(args.repeat - 1):  # uninstrumented runs, timed whole
-            engine.run()
-        plain = sorted(engine.times[warmed:])
-        totals = instrument(engine.llm.core)
+        while time.perf_counter() < warm_until:
+            for engine in group:
+                engine.run()
+
+    def timed_run(name: str, engine: Any, totals: dict[str, list[float]], plain: list[float]) -> None:
+        """One instrumented run; its row into ``results``."""
+        set_replay_totals(totals)
         loop_before, cpu_before, machine_before = python_loop_ms(), thread_cpu(), machine_cpu()
         engine.run()
         machine_after, cpu_after, loop_after = machine_cpu(), thread_cpu(), python_loop_ms()
@@ -226,25 +247,66 @@ def main() -> None:
             row["step times by length (steps, ms)"] = engine.step_times.runs[-1]
         results[name] = row
         report(f"batch {args.batch}: {name}", row)
-        if args.profile:
-            profile = cProfile.Profile()
-            profile.enable()
-            engine.run()
-            profile.disable()
-            profile.dump_stats(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.pstats"))
-            text = io.StringIO()
-            for order in ("cumulative", "tottime"):
-                pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
-            with open(os.path.join(args.out, f"profile_b{args.batch}_{name.replace(' ', '_')}.txt"), "w") as f:
-                f.write(text.getvalue())
+
+    def save_profile(name: str, profile: cProfile.Profile) -> None:
+        profile.dump_stats(os.path.join(args.out, f"profile_b{args.batch}_{file_name(name)}.pstats"))
+        text = io.StringIO()
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(60)
+        with open(os.path.join(args.out, f"profile_b{args.batch}_{file_name(name)}.txt"), "w") as f:
+            f.write(text.getvalue())
+
+    def finish(name: str, engine: Any) -> None:
         if args.kernels:
-            row["kernels"] = kernel_profile(engine, steps)
+            row = results[name]
+            row["kernels"] = kernel_profile(engine, row["steps"])
             report(f"batch {args.batch}: {name}, GPU kernels a step", row["kernels"]["total"])
             for k in row["kernels"]["top"][:12]:
                 print(f"    {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel']}")
         engine.llm.core.shutdown()
         engine.close()  # the engine's objects unfrozen and freed before the next is built
-        del engine
+
+    if args.interleave:  # every engine built first; each round runs each once, in turn
+        built = [(name, build(name, *rest)) for name, *rest in engines]
+        warm([engine for _, engine in built])
+        warmed = {name: len(engine.times) for name, engine in built}
+        for _ in range(args.repeat - 1):
+            for _, engine in built:
+                engine.run()
+        plains = {name: sorted(engine.times[warmed[name]:]) for name, engine in built}
+        totals = {name: instrument(engine.llm.core) for name, engine in built}
+        for name, engine in built:
+            timed_run(name, engine, totals[name], plains[name])
+        if args.profile:
+            profiles = {name: cProfile.Profile() for name, _ in built}
+            for _ in range(args.profile_rounds):
+                for name, engine in built:
+                    profiles[name].enable()
+                    engine.run()
+                    profiles[name].disable()
+            for name, profile in profiles.items():
+                save_profile(name, profile)
+        for name, engine in built:
+            finish(name, engine)
+        del built
+    else:
+        for name, *rest in engines:
+            engine = build(name, *rest)
+            warm([engine])
+            warmed = len(engine.times)
+            for _ in range(args.repeat - 1):  # uninstrumented runs, timed whole
+                engine.run()
+            totals = instrument(engine.llm.core)
+            timed_run(name, engine, totals, sorted(engine.times[warmed:]))
+            if args.profile:
+                profile = cProfile.Profile()
+                for _ in range(args.profile_rounds):
+                    profile.enable()
+                    engine.run()
+                    profile.disable()
+                save_profile(name, profile)
+            finish(name, engine)
+            del engine
     with open(os.path.join(args.out, f"step_phases_b{args.batch}.json"), "w") as f:
         json.dump(results, f, indent=1)
 
