@@ -31,7 +31,8 @@ from common import (ModelCost, base_args, build_checkpoint, environment, measure
 def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
-             ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums))
+             ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
+             ("skinny_rows", args.skinny_rows))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -110,6 +111,8 @@ def main() -> None:
     parser.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's rope_in_attention option (a decode step's rotary and KV write inside "
                         "the attention kernel; off by default)")
+    parser.add_argument("--skinny-rows", type=int, default=None,
+                        help="the GPU runner's skinny_rows option (the most rows a step its few-rows kernels take)")
     parser.add_argument("--last-sums", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's last_sums option (a split projection's slices added by its last "
                         "program, not a second kernel; off by default)")

@@ -1,6 +1,7 @@
 """The few-rows linear kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at the linear
 layers of a decode step: qwen3-0.6b's and llama3-8b's fused q/k/v, output, fused gate/up, down and
-LM head projections, bf16, 1 and 4 rows.
+LM head projections, bf16, 1 and 4 rows (``--rows``, up to 16: from two rows the kernel multiplies
+on tensor cores; the one-row-at-a-time kernel is timed beside it up to four).
 
 Each timing is a CUDA graph of ``--calls`` back-to-back products replayed ``--replays`` times, as a
 decode step's graph runs them, over enough copies of the weight (at least ``--rotate-mb`` MB) that
@@ -43,7 +44,8 @@ if "--smoke" in sys.argv:  # the kernel on the CPU: Triton's interpreter, chosen
 from common import SHAPES  # noqa: E402
 
 from specloop.kernels.fused_moe import fused_moe  # noqa: E402
-from specloop.kernels.gemv import DEFAULT_TILE, choose_block_n, skinny_linear  # noqa: E402
+from specloop.kernels.gemv import (DEFAULT_TILE, DOT_BLOCK_N, DOT_ROWS, DOT_TILE, ROW_LOOP_ROWS,  # noqa: E402
+                                   choose_block_n, skinny_linear)
 from specloop.kernels import pdl  # noqa: E402
 from specloop.kernels.mla_attention import mla_attention  # noqa: E402
 from specloop.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
@@ -237,9 +239,9 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results = []
-    print("| shape | layer | N x K | rows | cuBLAS us (GB/s) | kernel, default us (GB/s) | kernel, best us (GB/s) "
-          "| best tile | best / cuBLAS |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | layer | N x K | rows | cuBLAS us (GB/s) | kernel, default us (GB/s) | one row at a time us "
+          "| kernel, best us (GB/s) | best tile | best / cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for shape in [] if args.skip_linear else args.shapes.split(","):
         for name, n, k in layer_shapes(shape):
             size = n * k * 2
@@ -252,6 +254,10 @@ def main() -> None:
                 err = ((got.float() - want).norm() / want.norm()).item()
                 cublas = time_call(lambda i: F.linear(x, weights[i]), copies, args.calls, args.replays)
                 default = time_call(lambda i: skinny_linear(x, weights[i]), copies, args.calls, args.replays)
+                # From DOT_ROWS rows the default is the tensor-core kernel; the one-row-at-a-time
+                # kernel beside it, where it runs.
+                row_loop = (time_call(lambda i: skinny_linear(x, weights[i], dot=False), copies, args.calls,
+                                      args.replays) if DOT_ROWS <= m <= ROW_LOOP_ROWS else None)
                 tiles = {}
                 for config in sweep:
                     try:
@@ -263,13 +269,16 @@ def main() -> None:
                         print(f"  tile {config}: {type(e).__name__}", file=sys.stderr)
                 best = min(tiles, key=tiles.get)
                 row = dict(shape=shape, layer=name, n=n, k=k, rows=m, bytes=size, rel_err=err, cublas_us=cublas,
-                           default_us=default, default_config=[choose_block_n(n, sms), *DEFAULT_TILE],
+                           default_us=default, row_loop_us=row_loop,
+                           default_config=[DOT_BLOCK_N, *DOT_TILE] if m >= DOT_ROWS else [choose_block_n(n, sms),
+                                                                                          *DEFAULT_TILE],
                            best_us=tiles[best],
                            best_config=list(best), tiles={str(c): t for c, t in tiles.items()})
                 results.append(row)
                 gbs = lambda us: size / us / 1e3  # noqa: E731
                 print(f"| {shape} | {name} | {n} x {k} | {m} | {cublas:.1f} ({gbs(cublas):.0f}) | {default:.1f} "
-                      f"({gbs(default):.0f}) | {tiles[best]:.1f} ({gbs(tiles[best]):.0f}) | {best} | "
+                      f"({gbs(default):.0f}) | {'' if row_loop is None else f'{row_loop:.1f}'} "
+                      f"| {tiles[best]:.1f} ({gbs(tiles[best]):.0f}) | {best} | "
                       f"{cublas / tiles[best]:.2f}x |", flush=True)
             del weights
             torch.cuda.empty_cache()

@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's pdl option (programmatic dependent launch; a kernel waiting for the "
                         "one before it is profiled from its launch: turn it off for each kernel's own time)")
+    parser.add_argument("--skinny-rows", type=int, default=None,
+                        help="the GPU runner's skinny_rows option (the most rows a step its few-rows kernels take)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -159,7 +161,8 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
               model_runner="gpu", async_scheduling=args.async_scheduling,
-              plugin_options={"gpu": {"pdl": args.pdl}} if args.pdl is not None else {})
+              plugin_options={"gpu": {k: v for k, v in (("pdl", args.pdl), ("skinny_rows", args.skinny_rows))
+                                      if v is not None}})
     backend = llm.core.runner.attn_backend
     report("decode attention tile (timed at start-up, us)", {"chosen": backend.decode_config, **backend.decode_tuning})
     rows = []

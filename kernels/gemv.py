@@ -18,8 +18,14 @@ sum) and SiLU-and-mul (:func:`skinny_gated_linear`).
 
 The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` unless given, and so are
 ``BLOCK_N`` and the split; ``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
-kernel for its linear layers in steps of ``ROUTED_ROWS`` rows (the ``skinny_gemv`` option, on by
-default; ``plugin_options={"gpu": {"skinny_gemv": False}}`` turns it off).
+kernel for its linear layers in steps of up to :func:`routed_rows` rows (the ``skinny_gemv``
+option, on by default; ``plugin_options={"gpu": {"skinny_gemv": False}}`` turns it off; its
+``skinny_rows`` option sets the rows).
+
+From ``DOT_ROWS`` rows a second kernel (``kernels.rows_dot``) pads the rows to 16 and multiplies
+a weight chunk with all of them on tensor cores (``tl.dot``), with the same prologues, split and
+second pass: the one-row-at-a-time kernel reduces every row of every chunk across its tile, which
+from two rows on costs more than the weight loads.
 """
 
 from __future__ import annotations
@@ -35,15 +41,42 @@ from . import last_sums, pdl
 from .last_sums import arrive
 from .matmul import linear_rows
 from .pdl import prefetch_l2, wait_previous
+from .rows_dot import rows_dot
 
-MAX_ROWS = 4
-# The steps the runner routes to the kernel: one row. On the H200 it runs a decode projection of
-# qwen3-0.6b or llama3-8b at one row in 0.85-1.07x cuBLAS's time (0.48x at qwen3-0.6b's o_proj), and
-# fusing a layer's norm and activation into it makes batch-1 decode 14% faster; at four rows, where
-# it multiplies one row at a time, cuBLAS is 1.4-2.8x faster but for qwen3-0.6b's o_proj
-# (``benchmarks/gemv.py``).
+MAX_ROWS = 16
+ROW_LOOP_ROWS = 4  # the one-row-at-a-time kernel's most rows
+DOT_ROWS = 2  # from this many rows the tensor-core kernel is the default
+# The steps the runner routes to the kernels by default: one row. On the H200 the one-row kernel
+# runs a decode projection of qwen3-0.6b or llama3-8b in 0.85-1.07x cuBLAS's time (0.48x at
+# qwen3-0.6b's o_proj), and fusing a layer's norm and activation into it makes batch-1 decode 14%
+# faster. The GPU runner's ``skinny_rows`` option routes steps of up to that many rows (at most
+# ``MAX_ROWS``; :func:`set_routed_rows`). A mixture of experts routes one row (``MOE_ROUTED_ROWS``):
+# its few-tokens kernels time as the grouped GEMMs do from two tokens on.
 ROUTED_ROWS = 1
+MOE_ROUTED_ROWS = 1
+_routed_rows = ROUTED_ROWS
+
+
+def routed_rows() -> int:
+    """The most rows a step of the dense linear layers the runner routes to these kernels."""
+    return _routed_rows
+
+
+def set_routed_rows(rows: int) -> None:
+    """Route steps of up to ``rows`` rows (the process's, as a CUDA graph captures what it is at
+    capture)."""
+    global _routed_rows
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"the few-rows kernels take 1 to {MAX_ROWS} rows, not {rows}")
+    _routed_rows = rows
+
+
 DEFAULT_TILE = (512, 4, 3)  # BLOCK_K, num_warps, num_stages (BLOCK_N: :func:`choose_block_n`)
+# The same for the tensor-core kernel, whose programs own DOT_BLOCK_N features: on the H200 the
+# fastest over qwen3-0.6b's four projections at 2 to 16 rows (21.6-22.6 us a layer against cuBLAS's
+# 23.5-30.4; 16 features a program 25.6-26.1, 128 or 512-wide chunks 23-27).
+DOT_TILE = (256, 4, 3)
+DOT_BLOCK_N = 32
 
 
 @triton.jit
@@ -181,14 +214,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
-                  num_sms: int | None = None) -> torch.Tensor:
+                  tile: tuple[int, int, int] | None = None, block_n: int | None = None, split: int | None = None,
+                  num_sms: int | None = None, dot: bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
     ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``tile``: ``(BLOCK_K, warps,
     stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
     :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
-    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms)
+    out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms, dot=dot)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -231,12 +264,14 @@ def skinny_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pre: int,
-            tile: tuple[int, int, int] = DEFAULT_TILE, block_n: int | None = None, split: int | None = None,
+            tile: tuple[int, int, int] | None = None, block_n: int | None = None, split: int | None = None,
             num_sms: int | None = None, residual: torch.Tensor | None = None,
             norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, dot: bool | None = None) -> torch.Tensor:
     """The product over ``x2``'s rows with prologue ``pre`` (0: none; 1: RMSNorm, ``norm`` = (its
-    weight, eps, the new residual's buffer); 2: SiLU-and-mul); ``[M, N]``."""
+    weight, eps, the new residual's buffer); 2: SiLU-and-mul); ``[M, N]``. ``dot``: the tensor-core
+    kernel (``kernels.rows_dot``; by default from ``DOT_ROWS`` rows) or the one-row-at-a-time one;
+    ``tile`` defaults to ``DOT_TILE`` or ``DEFAULT_TILE`` accordingly."""
     n, k = weight.shape
     m = x2.shape[0]
     if m > MAX_ROWS:
@@ -244,9 +279,16 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     out = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
     if m == 0:
         return out
+    dot = m >= DOT_ROWS if dot is None else dot
+    if not dot and m > ROW_LOOP_ROWS:
+        raise ValueError(f"the one-row-at-a-time kernel takes at most {ROW_LOOP_ROWS} rows, got {m}")
+    if tile is None:
+        tile = DOT_TILE if dot else DEFAULT_TILE
     block_k, num_warps, num_stages = tile
     num_sms = num_sms or _num_sms(x2.device)
-    block_n = block_n or choose_block_n(n, num_sms)
+    block_n = block_n or (DOT_BLOCK_N if dot else choose_block_n(n, num_sms))
+    if dot and block_n < 16:
+        raise ValueError(f"the tensor-core kernel needs at least 16 features a program, got {block_n}")
     if split is None:
         split = choose_split(n, k, block_n, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -259,14 +301,18 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(x2.device):
         line = pdl.LINE_BYTES // weight.element_size()
         prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
-    by_last = split > 1 and last_sums.enabled() and triton.cdiv(n, block_n) <= last_sums.MAX_COUNTS
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
-        bias if has_bias else weight, target, out, last_sums.counts(x2.device) if by_last else target,
-        m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
-        eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
-        LAST_SUMS=by_last, num_warps=num_warps, num_stages=num_stages, **launch)
+    by_last = not dot and split > 1 and last_sums.enabled() and triton.cdiv(n, block_n) <= last_sums.MAX_COUNTS
+    if dot:
+        rows_dot(x2, residual, norm_weight, new_residual, weight, bias, target, k_per_split, eps, pre, split,
+                 block_n, tile, prefetch, launch)
+    else:
+        _gemv_kernel[(triton.cdiv(n, block_n), split)](
+            x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
+            bias if has_bias else weight, target, out, last_sums.counts(x2.device) if by_last else target,
+            m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
+            eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
+            LAST_SUMS=by_last, num_warps=num_warps, num_stages=num_stages, **launch)
     if split > 1 and not by_last:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),
@@ -318,9 +364,9 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, num_sms: int | None = None) -> t
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`skinny_linear` for inputs of at most ``ROUTED_ROWS`` rows in half precision, ``F.linear``
-    for anything else (a layer's ``matmul``: the GPU runner's ``skinny_gemv`` option)."""
+    """:func:`skinny_linear` for inputs of at most :func:`routed_rows` rows in half precision,
+    ``F.linear`` for anything else (a layer's ``matmul``: the GPU runner's ``skinny_gemv`` option)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    if 0 < rows <= _routed_rows and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -282,8 +282,8 @@ class TritonOps:
 
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
-    activation and down projection, each in one kernel in a step of one row (``kernels.gemv``'s
-    ``ROUTED_ROWS``; the GPU runner's ``skinny_gemv`` option), a mixture of experts with the
+    activation and down projection, each in one kernel in a step of a few rows (``kernels.gemv``'s
+    ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of experts with the
     norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two), and
     latent attention's per-head ``W_UK`` and ``W_UV`` products (``kernels.gemv.head_gemv``): at
     batch 1 the step is a few hundred small kernels, and each one less
@@ -308,10 +308,10 @@ class FewRowsOps(TritonOps):
 
     def norm_moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
                  moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        from specloop.kernels.gemv import ROUTED_ROWS
+        from specloop.kernels.gemv import MOE_ROUTED_ROWS
 
         w13 = moe.experts.w13
-        if (residual is None or not 0 < x.shape[0] <= ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
+        if (residual is None or not 0 < x.shape[0] <= MOE_ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
                 or w13.dtype != x.dtype):
             return _composed_norm_moe(self, x, residual, norm, moe)
         from specloop.kernels.gemv import skinny_norm_linear
@@ -333,9 +333,9 @@ class FewRowsOps(TritonOps):
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-        from specloop.kernels.gemv import ROUTED_ROWS
+        from specloop.kernels.gemv import MOE_ROUTED_ROWS
 
-        if 0 < x.shape[0] <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype:
+        if 0 < x.shape[0] <= MOE_ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype:
             from specloop.kernels.skinny_moe import skinny_moe
 
             return skinny_moe(x, w13, w2, topk_weights, topk_ids)
@@ -343,11 +343,12 @@ class FewRowsOps(TritonOps):
 
 
 def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:
-    """A step the few-rows kernels take: ``ROUTED_ROWS`` rows in half precision, on one rank."""
-    from specloop.kernels.gemv import ROUTED_ROWS
+    """A step the few-rows kernels take: up to ``kernels.gemv.routed_rows()`` rows in half precision,
+    on one rank."""
+    from specloop.kernels.gemv import routed_rows
 
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
+    return (0 < rows <= routed_rows() and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
             and getattr(getattr(linear, "tp", None), "size", 1) == 1)
 
 

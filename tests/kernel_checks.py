@@ -262,30 +262,43 @@ def check_silu_and_mul(device: str, dtype: torch.dtype) -> None:
 
 
 def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
-    """The few-rows linear layer against ``F.linear`` in float64: one to four rows, 4 to 16 output
-    features a program, with and without a bias, over a single slice of ``K`` and split into slices
-    (a ragged last one) added in order."""
+    """The few-rows linear layer against ``F.linear`` in float64: one to four rows one at a time, 4
+    to 16 output features a program, and two to ``MAX_ROWS`` rows on tensor cores, with and without
+    a bias, over a single slice of ``K`` and split into slices (a ragged last one) added in order."""
     from specloop.kernels.gemv import (MAX_ROWS, few_rows_linear, skinny_gated_linear, skinny_linear,
                                        skinny_norm_linear)
 
-    for rows, n, k, split, bias, block_n in ((1, 37, 300, None, False, None), (3, 50, 1100, 4, True, 8),
-                                             (4, 16, 64, 1, True, 16), (2, 70, 2048, None, False, 4)):
+    # One row at a time (``dot=False``, up to four rows), and from two rows on tensor cores (16 or
+    # 32 features a program, up to MAX_ROWS rows).
+    for rows, n, k, split, bias, block_n, dot in (
+            (1, 37, 300, None, False, None, None), (3, 50, 1100, 4, True, 8, False), (4, 16, 64, 1, True, 16, False),
+            (2, 70, 2048, None, False, 4, False), (2, 37, 300, None, False, None, None),
+            (5, 50, 1100, 4, True, 16, None), (MAX_ROWS, 40, 64, 1, True, 32, True), (9, 70, 600, 2, False, None, None)):
         x = torch.randn(rows, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
         b = torch.randn(n, dtype=dtype, device=device) if bias else None
         want = torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None)
-        out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4)
+        out = skinny_linear(x, w, b, tile=(64, 4, 2), block_n=block_n, split=split, num_sms=4, dot=dot)
         assert out.dtype == dtype and out.shape == (rows, n)
-        assert rel_err(out, want) < TOL[dtype], f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split}"
+        assert rel_err(out, want) < TOL[dtype], \
+            f"skinny_linear differs at {rows} x {n} x {k}, {block_n} / {split} / dot {dot}"
+    for call, words in ((lambda: skinny_linear(x, w, dot=False), "one-row-at-a-time"),
+                        (lambda: skinny_linear(x, w, block_n=8, dot=True), "16 features")):
+        try:
+            call()  # x: 9 rows
+        except ValueError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"skinny_linear took a call it refuses ({words})")
     # Slices of K added by the last program of each column block to arrive (``kernels.last_sums``): the
     # second pass's bits, with a bias, the norm and the activation prologues; counters back at zero.
     import specloop.kernels.last_sums as last_sums
 
     x, w, b = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (50, 1100), (50,)))
     r, nw, gate_up = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((2, 1100), (1100,), (2, 2200)))
-    calls = (lambda: skinny_linear(x, w, b, tile=(64, 4, 2), block_n=8, split=4, num_sms=4),
-             lambda: skinny_norm_linear(x, r, nw, 1e-6, w, tile=(64, 4, 2), split=4, num_sms=4)[0],
-             lambda: skinny_gated_linear(gate_up, w, tile=(64, 4, 2), split=2, num_sms=4))
+    calls = (lambda: skinny_linear(x, w, b, tile=(64, 4, 2), block_n=8, split=4, num_sms=4, dot=False),
+             lambda: skinny_norm_linear(x, r, nw, 1e-6, w, tile=(64, 4, 2), split=4, num_sms=4, dot=False)[0],
+             lambda: skinny_gated_linear(gate_up, w, tile=(64, 4, 2), split=2, num_sms=4, dot=False))
     try:
         for call in calls:
             last_sums.set_enabled(False)
@@ -308,7 +321,8 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
             assert out.dtype == dtype and rel_err(out, want) < TOL[dtype], f"head_gemv differs at {heads} x {k} x {n}"
     # Fused prologues: a decoder layer's RMSNorm (with and without the residual add), and a gated
     # MLP's SiLU-and-mul, rounded as the unfused ops round them.
-    for rows, k, split, with_residual in ((1, 300, None, True), (3, 700, 2, True), (2, 96, 1, False)):
+    for rows, k, split, with_residual in ((1, 300, None, True), (3, 700, 2, True), (2, 96, 1, False),
+                                          (7, 300, 2, True), (MAX_ROWS, 96, 1, False)):
         x, r = (torch.randn(rows, k, dtype=dtype, device=device) for _ in range(2))
         nw = torch.rand(k, dtype=dtype, device=device) + 0.5
         w = torch.randn(40, k, dtype=dtype, device=device) / k ** 0.5
@@ -580,6 +594,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.rms_norm as rms_norm_mod
     import specloop.kernels.rotary as rotary
     import specloop.kernels.sampling as sampling
+    import specloop.kernels.rows_dot as rows_dot
     import specloop.kernels.skinny_moe as skinny_moe
 
     launches: list[tuple[object, dict, dict]] = []
@@ -596,7 +611,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, skinny_moe, route, matmul, gemv, verify, ngram)
+               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -627,19 +642,29 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 w = torch.randn(1024, 3072, dtype=dtype)  # narrow (a down projection) and wide (an LM head)
                 for block_n, split in ((4, 1), (4, 2), (8, 1), (16, 1)):
                     gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=block_n,
-                                       split=split)
+                                       split=split, dot=False)
                 last_sums.set_enabled(True)  # the slices added by the last program to arrive
                 try:
-                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=4, split=4)
-                    gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, block_n=4, split=4)
+                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], tile=tile, block_n=4, split=4, dot=False)
+                    gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, block_n=4, split=4, dot=False)
                 finally:
                     last_sums.set_enabled(False)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
-                                   tile=tile)
+                                   tile=tile, dot=False)
                 h = torch.randn(rows, 1024, dtype=dtype)
-                gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype), tile=tile)
-                gemv.skinny_norm_linear(h, None, h[0], 1e-6, torch.randn(6144, 1024, dtype=dtype), tile=tile)
-                gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile)
+                gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype), tile=tile,
+                                        dot=False)
+                gemv.skinny_norm_linear(h, None, h[0], 1e-6, torch.randn(6144, 1024, dtype=dtype), tile=tile,
+                                        dot=False)
+                gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, dot=False)
+            for rows in (2, 16):  # the tensor-core kernel: its prologues, splits and widths
+                w = torch.randn(1024, 3072, dtype=dtype)
+                for block_n, split in ((16, 1), (32, 4)):
+                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], block_n=block_n, split=split)
+                h = torch.randn(rows, 1024, dtype=dtype)
+                gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype))
+                gemv.skinny_norm_linear(h, None, h[0], 1e-6, torch.randn(64, 1024), split=1, out_dtype=torch.float32)
+                gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w)
             for config in TritonAttentionBackend.DECODE_CONFIGS:
                 attention.paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=0.1, max_query_len=1,
                                           decode_config=config)

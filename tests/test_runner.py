@@ -275,6 +275,23 @@ def test_gpu_runner_options_are_checked() -> None:
     assert use_few_rows_linear(model) == 2 and all(m.matmul is few_rows_linear for m in model)
     with pytest.raises(ValueError, match="skinny_gemv.*batch_invariant"):
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}}, batch_invariant=True))
+    # skinny_rows: the most rows a step the few-rows kernels take (one by default), 1 to MAX_ROWS.
+    from specloop.kernels import gemv
+
+    assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows == gemv.ROUTED_ROWS == 1
+    assert GpuPlatform(EngineConfig(device="cuda", plugin_options={"gpu": {"skinny_rows": 4}})).skinny_rows == 4
+    for bad in (0, gemv.MAX_ROWS + 1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="skinny_rows.*integer from 1 to 16"):
+            GpuPlatform(EngineConfig(device="cuda", plugin_options={"gpu": {"skinny_rows": bad}}))
+    with pytest.raises(ValueError, match="skinny_rows.*skinny_gemv is off"):
+        GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {"skinny_rows": 4}}))
+    try:  # the process's routing, which a runner sets as it builds its parts
+        gemv.set_routed_rows(4)
+        assert gemv.routed_rows() == 4
+        with pytest.raises(ValueError, match="1 to 16"):
+            gemv.set_routed_rows(17)
+    finally:
+        gemv.set_routed_rows(gemv.ROUTED_ROWS)
 
 
 def test_the_device_batch_knows_the_blocks_each_request_holds() -> None:

@@ -13,8 +13,9 @@ a proposer that can launches its greedy proposal from the device after a verific
 left in the device token rows; off, it proposes once the host has read the step) and
 ``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default on on
 CUDA, off with ``batch_invariant``, which it cannot be combined with: the target's linear layers run
-``kernels.gemv`` in one-row steps, cuBLAS in the rest, and the op set fuses a decoder layer's norms
-and activation into them, ``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
+``kernels.gemv`` in steps of up to ``skinny_rows`` rows (default 1, at most 16), cuBLAS in the
+rest, and the op set fuses a decoder layer's norms and activation into them,
+``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
 step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only) and
 ``late_verification`` (default on, with asynchronous scheduling and ``device_proposals``: a greedy
 verification whose next proposal launched from the device is read a step late, the next step
@@ -42,6 +43,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernels import last_sums, pdl
+from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, set_routed_rows
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
@@ -64,7 +66,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl", "rope_in_attention", "last_sums")
+               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -87,6 +89,14 @@ class GpuPlatform:
         if self.skinny_gemv and config.batch_invariant:
             raise ValueError("plugin_options['gpu']['skinny_gemv'] and batch_invariant=True both choose the linear "
                              "layers' kernel; use one")
+        rows = opts.get("skinny_rows", ROUTED_ROWS)
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"plugin_options['gpu']['skinny_rows'] must be an integer from 1 to {MAX_ROWS} (the "
+                             f"most rows a step the few-rows kernels take), got {rows!r}")
+        if "skinny_rows" in opts and not self.skinny_gemv:
+            raise ValueError("plugin_options['gpu']['skinny_rows'] sets the few-rows kernels' steps, which "
+                             "skinny_gemv is off for")
+        self.skinny_rows = rows
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -99,6 +109,7 @@ class GpuPlatform:
         if hasattr(runner.attn_backend, "rope_in_attention"):
             runner.attn_backend.rope_in_attention = self.rope_in_attention
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
+        set_routed_rows(self.skinny_rows)
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:
