@@ -159,7 +159,9 @@ def main() -> None:
     parser.add_argument("--output-len-spread", type=float, default=0.0,
                         help="per-prompt output lengths, as spec_decode.py --output-len-spread")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--kernels", action="store_true", help="profile one more run's GPU kernels")
+    parser.add_argument("--kernels", action="store_true", help="profile one more run's GPU kernels (torch's "
+                        "profiler: the CUDA calls of engines built after it run slower on the host, so without "
+                        "--interleave only the first engine's host figures are clean)")
     parser.add_argument("--warm-seconds", type=float, default=None,
                         help="untimed runs of each engine for this long (default 10 on CUDA, as spec_decode.py)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs of each engine: the first "
