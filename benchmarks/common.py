@@ -316,6 +316,20 @@ class ModelCost:
 
 # --- ceilings ---------------------------------------------------------------------------------------
 
+def host_loop_ms(n: int = 200_000) -> float:
+    """Wall milliseconds of a fixed pure-Python loop (best of three): the host CPU's speed as the
+    interpreter sees it. On a shared machine it can move by 1.5-1.8x for tens of seconds (the
+    H200's host: 7.3-8.7 ms most of the time, 10.4-14.9 ms in some windows), and so does every
+    host-bound engine step; benchmarks report it beside figures compared across runs."""
+    items, best = list(range(16)), float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(n):
+            len(items) + items[i & 15]
+        best = min(best, time.perf_counter() - t0)
+    return round(1e3 * best, 2)
+
+
 def cuda_time(fn: Callable[[], Any], repeat: int = 10, warmup: int = 3) -> float:
     """Median seconds of ``fn`` by CUDA events."""
     for _ in range(warmup):

@@ -73,7 +73,8 @@ import torch
 from specloop.proposers.policy import batch_bucket
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, base_args, build_checkpoint, build_eagle3_head, environment, report, save  # noqa: E402
+from common import (ROOT, base_args, build_checkpoint, build_eagle3_head, environment, host_loop_ms,  # noqa: E402
+                    report, save)
 
 
 def heldout_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
@@ -447,10 +448,13 @@ def main() -> None:
                 other.run()
             base.times.clear()
             other.times.clear()
+            loops = []
             for _ in range(max(args.repeat, 1)):
+                loops.append(host_loop_ms())
                 base.run()
                 other.run()
             controls.append({"batch": b, "speedup": base.seconds / other.seconds, "seconds": other.seconds,
+                             "host_loop_ms": loops,
                              "base_seconds": base.seconds, "runs_seconds": list(other.times),
                              "base_runs_seconds": list(base.times)})
             report(f"batch {b}: control (a second engine without drafts)", {
@@ -491,7 +495,9 @@ def main() -> None:
                         engine.trace.reset()
                     if engine.step_times is not None:
                         engine.step_times.runs.clear()
+                loops = []  # the host's speed before each pair of runs (common.host_loop_ms)
                 for _ in range(max(args.repeat, 1)):
+                    loops.append(host_loop_ms())
                     if args.repeat:
                         base.run()
                     engine.run()
@@ -517,7 +523,7 @@ def main() -> None:
                        "identical": run["tokens"] == base.stats["tokens"],
                        "draft_step_cost": cost["propose_s"] / base_cost["forward_s"],
                        "draft_token_cost": cost["propose_per_token_s"] / base_cost["forward_s"],
-                       "policy": policy, "decode_attention_tiles": tiles,
+                       "policy": policy, "decode_attention_tiles": tiles, "host_loop_ms": loops,
                        # per timed run, {length[-first][-admit]: [steps, ms]}
                        "step_times": engine.step_times.runs[:len(engine.times)] if engine.step_times else None,
                        **{key: v for key, v in run.items() if key != "tokens"}}
@@ -529,6 +535,7 @@ def main() -> None:
                     "all runs (no speculation)": " ".join(f"{t:.3f}" for t in engine.times)
                                                  + " (" + " ".join(f"{t:.3f}" for t in base.times) + ")",
                     "speedup": speedup, "paired speedup (median of run-by-run ratios)": paired,
+                    "host loop ms before each pair (min, max)": f"{min(loops):.2f}, {max(loops):.2f}",
                     "ideal speedup": ideal, "efficiency": row["efficiency"],
                     "steps": row["steps"], "step ratio": row["step_ratio"],
                     "draft cost per step / per token (x target step)":

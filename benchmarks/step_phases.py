@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spec_decode  # noqa: E402
-from common import base_args, gpu_kernels, report  # noqa: E402
+from common import base_args, gpu_kernels, host_loop_ms, report  # noqa: E402
 
 PHASES = {  # label: (object path from the engine core, method)
     "schedule": ("scheduler", "schedule"), "commit": ("", "_commit_oldest"),
@@ -125,18 +125,6 @@ def machine_cpu() -> list[int]:
     except (OSError, ValueError):
         return [0, 0, 0]
     return [user + nice + system + irq + softirq, idle + iowait, steal]
-
-
-def python_loop_ms(n: int = 200_000) -> float:
-    """Wall milliseconds of a fixed pure-Python loop (best of three): the host CPU's speed as the
-    interpreter sees it, beside each engine's figures."""
-    items, best = list(range(16)), float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for i in range(n):
-            len(items) + items[i & 15]
-        best = min(best, time.perf_counter() - t0)
-    return round(1e3 * best, 2)
 
 
 def kernel_profile(engine: Any, steps: int) -> dict[str, Any]:
@@ -226,9 +214,9 @@ def main() -> None:
     def timed_run(name: str, engine: Any, totals: dict[str, list[float]], plain: list[float]) -> None:
         """One instrumented run; its row into ``results``."""
         set_replay_totals(totals)
-        loop_before, cpu_before, machine_before = python_loop_ms(), thread_cpu(), machine_cpu()
+        loop_before, cpu_before, machine_before = host_loop_ms(), thread_cpu(), machine_cpu()
         engine.run()
-        machine_after, cpu_after, loop_after = machine_cpu(), thread_cpu(), python_loop_ms()
+        machine_after, cpu_after, loop_after = machine_cpu(), thread_cpu(), host_loop_ms()
         busy, idle, steal = (a - b for a, b in zip(machine_after, machine_before))
         ours = sum(cpu_after.values()) - sum(cpu_before.values())  # seconds
         steps = max(int(totals["step"][0]), 1)
@@ -239,7 +227,7 @@ def main() -> None:
                   if plain else {}),
                **{label: round(1e3 * seconds / steps, 3) for label, (_, seconds) in totals.items()},
                "calls a step": {label: round(calls / steps, 2) for label, (calls, _) in totals.items() if calls},
-               "python loop ms (before, after)": [loop_before, loop_after],
+               "host loop ms (before, after)": [loop_before, loop_after],
                "main thread cpu ms a step": round(1e3 * (cpu_after.get("main", 0.0) - cpu_before.get("main", 0.0)) / steps, 3),
                "other threads cpu ms a step": {k: v for k, v in others.items() if v > 0} or 0,
                "other processes' cpu (cores busy), steal %": [
