@@ -1,6 +1,6 @@
 """The few-rows linear kernel (``kernels/gemv.py``) against cuBLAS (``F.linear``) at the linear
 layers of a decode step: qwen3-0.6b's and llama3-8b's fused q/k/v, output, fused gate/up, down and
-LM head projections, bf16, 1 and 4 rows (``--rows``, up to 16: from two rows the kernel multiplies
+LM head projections, bf16, 1 and 4 rows (``--rows``, up to 16: from three rows the kernel multiplies
 on tensor cores; the one-row-at-a-time kernel is timed beside it up to four).
 
 Each timing is a CUDA graph of ``--calls`` back-to-back products replayed ``--replays`` times, as a

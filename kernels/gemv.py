@@ -25,7 +25,7 @@ option, on by default; ``plugin_options={"gpu": {"skinny_gemv": False}}`` turns 
 From ``DOT_ROWS`` rows a second kernel (``kernels.rows_dot``) pads the rows to 16 and multiplies
 a weight chunk with all of them on tensor cores (``tl.dot``), with the same prologues, split and
 second pass: the one-row-at-a-time kernel reduces every row of every chunk across its tile, which
-from two rows on costs more than the weight loads.
+from three rows on costs more than the weight loads.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ from .rows_dot import rows_dot
 
 MAX_ROWS = 16
 ROW_LOOP_ROWS = 4  # the one-row-at-a-time kernel's most rows
-DOT_ROWS = 2  # from this many rows the tensor-core kernel is the default
+# From this many rows the tensor-core kernel is the default: at two rows the one-row-at-a-time
+# kernel timed 20.6 us over qwen3-0.6b's four projections against 21.7 (H200, benchmarks/gemv.py).
+DOT_ROWS = 3
 # The steps the runner routes to the kernels by default: one row. On the H200 the one-row kernel
 # runs a decode projection of qwen3-0.6b or llama3-8b in 0.85-1.07x cuBLAS's time (0.48x at
 # qwen3-0.6b's o_proj), and fusing a layer's norm and activation into it makes batch-1 decode 14%

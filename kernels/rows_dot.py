@@ -1,8 +1,8 @@
-"""The few-rows linear layer (``kernels.gemv``) from two rows on: the rows padded to one tile of 16
+"""The few-rows linear layer (``kernels.gemv``) from three rows on: the rows padded to one tile of 16
 and multiplied on tensor cores.
 
 The one-row-at-a-time kernel reduces every row of every weight chunk across its tile, which from
-two rows on costs more than the chunk's loads; here a program loads a ``[BLOCK_N, BLOCK_K]`` chunk
+three rows on costs more than the chunk's loads; here a program loads a ``[BLOCK_N, BLOCK_K]`` chunk
 of the weight once and multiplies it with all the rows at once (``tl.dot``), accumulating in
 float32. The prologues (RMSNorm with the residual add, SiLU-and-mul), the split of ``K`` and the
 second pass that adds the slices in order are ``kernels.gemv``'s, and round as they do.
@@ -46,9 +46,9 @@ def _rows_dot_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, 
                      M_TILE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr,
                      PREFETCH: tl.constexpr, LINE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """:func:`_gemv_kernel` for two rows or more: the rows padded to one ``M_TILE`` (16) and
-    multiplied on tensor cores, every row of a weight chunk at once (the per-row kernel reduces
-    each row of each chunk across the tile, which costs as much as the loads from two rows on)."""
+    """:func:`_gemv_kernel` for several rows: the rows padded to one ``M_TILE`` (16) and multiplied
+    on tensor cores, every row of a weight chunk at once (the per-row kernel reduces each row of
+    each chunk across the tile, which costs more than the loads from three rows on)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -272,7 +272,7 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
     # 32 features a program, up to MAX_ROWS rows).
     for rows, n, k, split, bias, block_n, dot in (
             (1, 37, 300, None, False, None, None), (3, 50, 1100, 4, True, 8, False), (4, 16, 64, 1, True, 16, False),
-            (2, 70, 2048, None, False, 4, False), (2, 37, 300, None, False, None, None),
+            (2, 70, 2048, None, False, 4, False), (2, 37, 300, None, False, None, True),
             (5, 50, 1100, 4, True, 16, None), (MAX_ROWS, 40, 64, 1, True, 32, True), (9, 70, 600, 2, False, None, None)):
         x = torch.randn(rows, k, dtype=dtype, device=device)
         w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
@@ -657,7 +657,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 gemv.skinny_norm_linear(h, None, h[0], 1e-6, torch.randn(6144, 1024, dtype=dtype), tile=tile,
                                         dot=False)
                 gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, dot=False)
-            for rows in (2, 16):  # the tensor-core kernel: its prologues, splits and widths
+            for rows in (gemv.DOT_ROWS, 16):  # the tensor-core kernel: its prologues, splits and widths
                 w = torch.randn(1024, 3072, dtype=dtype)
                 for block_n, split in ((16, 1), (32, 4)):
                     gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, w[0], block_n=block_n, split=split)
