@@ -3,9 +3,10 @@
 the best fixed length's, exploration included, averaged over ``--seeds`` runs of ``--steps`` steps.
 
 Scenarios: batch 1 (drafting pays, best K = 3 at acceptance 0.7 and K = 1 at 0.3) and batch 32
-(compute-bound, no drafting pays), each at acceptance 0.7 and 0.3; and ``warm-up``: batch 1 at 0.7
+(compute-bound, no drafting pays), each at acceptance 0.7 and 0.3; ``warm-up``: batch 1 at 0.7
 whose first 12 steps at K cost 2.5 times their due (what a fresh engine's first steps can look
-like). No model and no device; a few seconds.
+like); and rounds of 8 requests that drain to 5 (drafting loses at 8, gains a few percent at 5,
+and entering a length with drafts costs a draft model's catch-up). No model and no device; a few seconds.
 
 ``--text`` adds a scenario whose acceptance is read from real text instead of drawn: the draft
 model on the held-out prompts of ``spec_decode.py`` (its defaults: 16 prompts of 256 tokens, 64-192
@@ -33,7 +34,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_speculation_policy import K, LARGE, SMALL, Machine, expected_rate, policy  # noqa: E402
+from test_speculation_policy import (CATCH_UP, DRAIN, DRAIN_ALPHA, K, LARGE, ROUND, SMALL, Machine,  # noqa: E402
+                                     expected_rate, policy)
 
 
 def share_of_best(batch: int, alpha: float, seconds: dict[int, float], steps: int, seed: int,
@@ -44,6 +46,28 @@ def share_of_best(batch: int, alpha: float, seconds: dict[int, float], steps: in
     m.run(steps, batch, alpha, seconds)
     best = max(range(K + 1), key=lambda n: expected_rate(alpha, seconds, n))
     return m.tokens / m.seconds / (batch * expected_rate(alpha, seconds, best))
+
+
+def drain_share(seed: int, cycles: int = 20) -> float:
+    """Rounds of 186 steps at 8 requests, each draining for 30 steps at 5 (``ROUND``, ``DRAIN``,
+    entering a length with drafts ``CATCH_UP``): the policy's tokens per second as a share of
+    the best fixed length's."""
+    from specloop.kernel.config import EngineConfig
+    from specloop.proposers.policy import FixedPolicy
+
+    rates = {}
+    for name in ("adaptive", *range(K + 1)):
+        if name == "adaptive":
+            p = policy()
+        else:
+            p = FixedPolicy(EngineConfig())
+            p.k = name
+        m = Machine(p, seed=seed)
+        for _ in range(cycles):
+            m.run(186, 8, DRAIN_ALPHA, ROUND, entering=CATCH_UP)
+            m.run(30, 5, DRAIN_ALPHA, DRAIN, entering=CATCH_UP)
+        rates[name] = m.tokens / m.seconds
+    return rates["adaptive"] / max(rates[n] for n in range(K + 1))
 
 
 def draft_matches(model: str, draft: str) -> list[list[bool]]:
@@ -136,6 +160,9 @@ def main() -> None:
         shares = [share_of_best(batch, alpha, seconds, args.steps, seed, warm_up) for seed in range(args.seeds)]
         print(f"{name:<26} {statistics.mean(shares):.3f} of the best fixed length "
               f"(seeds: {' '.join(f'{s:.3f}' for s in shares)})")
+    shares = [drain_share(seed) for seed in range(args.seeds)]
+    print(f"{'rounds of 8 draining to 5':<26} {statistics.mean(shares):.3f} of the best fixed length "
+          f"(seeds: {' '.join(f'{s:.3f}' for s in shares)})")
     if args.text:
         text_scenario(args)
 

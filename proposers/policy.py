@@ -186,9 +186,12 @@ class AdaptivePolicy:
     may still be of warm-up steps: a fresh engine's first steps carry one-time costs, and one bad
     measurement of a length would otherwise keep the policy off it for thousands of steps.
 
-    The policy runs the length with the highest rate, but holds the length it runs in a bucket
-    unless the better one's gain over ``min_interval`` steps pays for the switch; it weighs the
-    lengths again every ``recheck`` steps, or when the batch changes bucket. A length whose
+    The policy runs the length with the highest rate, but holds the length running (whichever
+    bucket chose it; after a probe, the bucket's own) unless the better one's gain over
+    ``min_interval`` steps pays for the switch; it weighs the lengths again every ``recheck``
+    steps, or when the batch changes bucket. (A batch draining at the end of a run into a bucket
+    whose length differs would otherwise switch on entering it, however dear the switch: a draft
+    model catching up on every token it skipped, for a few steps' gain.) A length whose
     step time nobody has measured is probed first (``K``, then 0; the lengths between are
     interpolated), in runs of ``probe_len`` steps; 0 and ``K`` measured only in other buckets (their
     figures borrowed) as soon as probes may come. The other lengths are probed again as often as
@@ -291,17 +294,19 @@ class AdaptivePolicy:
             self.probe = (self.probe[0], self.probe[1], self.probe[2] - 1)
             self.length = self.probe[1]
             return self.length
-        self.probe = None
+        probed, self.probe = self.probe is not None, None
         held_bucket, held, until = self.decided
         if held_bucket == bucket and self.num_steps < until:
             self.length = held
             return held
-        self.length = self._next_length(bucket)
+        # The length the engine runs now (a probe's excepted: the policy returns from it to the
+        # bucket's own), whichever bucket chose it: switching away from it costs, wherever.
+        self.length = self._next_length(bucket, None if probed else self.length)
         if self.probe is None:
             self.decided = (bucket, self.length, self.num_steps + self.recheck)
         return self.length
 
-    def _next_length(self, bucket: int) -> int:
+    def _next_length(self, bucket: int, running: int | None = None) -> int:
         if self.num_steps < self.warmup:  # warm K and 0 up in turn
             return self._start_probe(bucket, self.k if (self.num_steps // self.probe_len) % 2 == 0 else 0)
         rates = self.rates(bucket)
@@ -309,10 +314,13 @@ class AdaptivePolicy:
         if unknown:
             return self._start_probe(bucket, unknown[0])
         best = max(self.lengths, key=lambda n: (rates[n][0], -n))
-        held = self.held.get(bucket)
+        # Stay at the length running (or, after a probe, at the bucket's own) unless the gain over
+        # min_interval steps pays for the switch: noise between close rates would otherwise switch
+        # back and forth, each switch a drained step; and a batch that drains into a smaller bucket
+        # at the end of a run would enter that bucket's length, a draft model catching up on every
+        # token it skipped, for a few steps' gain.
+        held = running if running is not None else self.held.get(bucket)
         if held is not None and held != best:
-            # Stay unless the gain over min_interval steps pays for the switch (noise between
-            # close rates would otherwise switch back and forth, each switch a drained step).
             gain = (1 - rates[held][0] / rates[best][0]) * self.min_interval * rates[held][1]
             if gain < self.switch_cost(bucket, best, rates[best][1]):
                 best = held

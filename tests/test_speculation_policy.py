@@ -109,7 +109,7 @@ def test_it_weighs_the_lengths_every_few_steps_or_when_the_batch_changes_bucket(
     m.run(400, 1, 0.7, SMALL)
     weighed = []
     next_length = p._next_length
-    p._next_length = lambda bucket: weighed.append(bucket) or next_length(bucket)
+    p._next_length = lambda bucket, running=None: weighed.append(bucket) or next_length(bucket, running)
     m.run(160, 1, 0.7, SMALL)
     assert 0 < len(weighed) <= 160 // p.recheck + 2, len(weighed)  # (a probe's first step is weighed too)
     weighed.clear()
@@ -259,6 +259,34 @@ def test_a_dear_switch_makes_probes_rarer():
     dear.run(20000, 32, 0.7, LARGE, entering=entering)
     assert dear.lengths[-16000:].count(0) > cheap.lengths[-16000:].count(0)
     assert dear.tokens / dear.seconds > 0.95 * 32 * expected_rate(0.7, LARGE, 0)
+
+
+# Rounds of 8 requests draining to 5 (the draft model's batch-8 runs on the H200): drafting loses
+# at 8, gains a few percent at 5; entering a length with drafts costs a catch-up of 7.7 ms.
+ROUND = {0: 0.45e-3, 1: 0.8e-3, 2: 1.15e-3, 3: 1.52e-3}
+DRAIN = {0: 0.42e-3, 1: 0.55e-3, 2: 0.68e-3, 3: 0.80e-3}
+CATCH_UP = {0: 0.4e-3, 1: 7.7e-3, 2: 7.7e-3, 3: 7.7e-3}
+DRAIN_ALPHA = [0.6, 0.45, 0.38]
+
+
+def test_a_drain_does_not_enter_a_length_for_a_few_steps_gain():
+    """Rounds of 8 requests (drafting loses) that end draining to 5 (a length with drafts gains a
+    few percent there), entering a length with drafts costing 17 steps (a draft model catching up
+    on what it skipped): the drain keeps the length the full batch ran, as the switch never pays
+    for itself in the drain's few steps. (Weighed only within its bucket, each drain entered the
+    drain bucket's own length, the batch-8 runs of the draft model on the H200: ``0x186 3x91``.)"""
+    full, drain, entering, alpha = ROUND, DRAIN, CATCH_UP, DRAIN_ALPHA
+    for seed in (0, 2):
+        m, zero = Machine(policy(), seed=seed), Machine(FixedPolicy(EngineConfig()), seed=seed)
+        entered = 0
+        for cycle in range(40):
+            for machine in (m, zero):
+                machine.run(186, 8, alpha, full, entering=entering)
+            first = m.run(30, 5, alpha, drain, entering=entering)[0]
+            entered += cycle >= 2 and first != 0  # (the first drains explore)
+            zero.run(30, 5, alpha, drain, entering=entering)
+        assert entered <= 8, (seed, entered)
+        assert m.tokens / m.seconds > 0.96 * zero.tokens / zero.seconds, seed
 
 
 def test_one_dear_entry_does_not_keep_it_off_a_length():
