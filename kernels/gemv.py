@@ -40,8 +40,8 @@ import triton.language as tl
 from . import last_sums, pdl
 from .last_sums import arrive
 from .matmul import linear_rows
-from .pdl import prefetch_l2, wait_previous
-from .rows_dot import rows_dot
+from .pdl import wait_previous
+from .rows_dot import program_slice, rows_dot, store_rows
 
 MAX_ROWS = 16
 ROW_LOOP_ROWS = 4  # the one-row-at-a-time kernel's most rows
@@ -111,15 +111,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
                  PREFETCH: tl.constexpr, LINE: tl.constexpr, LAST_SUMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH > 0:  # while the kernel before still runs: this program's weights into L2
-        starts = k_start + tl.arange(0, PREFETCH) * LINE
-        ok = col_ok[:, None] & (starts < k_end)[None, :]
-        prefetch_l2(w_ptr + tl.where(ok, cols[:, None].to(tl.int64) * stride_wn + starts[None, :], 0))
-    wait_previous(PDL)
+    # While the kernel before still runs: this program's weights into L2 (PREFETCH).
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -150,14 +143,8 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
             rstd = tl.sum(tl.where(rows == m, rstds, 0.0), 0)
             xm = _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K, PRE, HAS_RES)
             acc = tl.where(rows[:, None] == m, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    else:  # the workspace: [SPLIT, M, N] float32, slice pid_k
-        offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(out_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    store_rows(acc, out_ptr, b_ptr, rows, row_ok, cols, col_ok, M, N, stride_om, HAS_BIAS, SPLIT)
+    if SPLIT > 1:
         if LAST_SUMS:  # the column block's last slice to arrive adds them all, in order
             if arrive(count_ptr, pid_n, SPLIT):
                 total = tl.zeros([M_PAD, BLOCK_N], tl.float32)

@@ -19,6 +19,39 @@ from .pdl import prefetch_l2, wait_previous
 
 
 @triton.jit
+def program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                  LINE: tl.constexpr, PDL: tl.constexpr):
+    """A few-rows program's output features (``cols``, ``col_ok``) and slice of ``K``
+    (``k_start``, ``k_end``); with ``PREFETCH``, its weights asked of L2 while the kernel before
+    still runs, then the wait for that kernel (``kernels.pdl``)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH > 0:
+        starts = k_start + tl.arange(0, PREFETCH) * LINE
+        ok = col_ok[:, None] & (starts < k_end)[None, :]
+        prefetch_l2(w_ptr + tl.where(ok, cols[:, None].to(tl.int64) * stride_wn + starts[None, :], 0))
+    wait_previous(PDL)
+    return cols, col_ok, k_start, k_end
+
+
+@triton.jit
+def store_rows(acc, out_ptr, b_ptr, rows, row_ok, cols, col_ok, M, N, stride_om, HAS_BIAS: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """A program's sums: the output rows (with the bias), or with ``SPLIT`` slices its slice of
+    the ``[SPLIT, M, N]`` float32 workspace that a second pass adds up in order."""
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        offs = (tl.program_id(1) * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+        tl.store(out_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _input_tile(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0, ks, k_ok, stride_xm, rstds, K,
                 PRE: tl.constexpr, HAS_RES: tl.constexpr):
     """:func:`_input_chunk` for every row of the tile at once: ``[rows, BLOCK_K]`` in ``x``'s dtype."""
@@ -49,17 +82,7 @@ def _rows_dot_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, 
     """:func:`_gemv_kernel` for several rows: the rows padded to one ``M_TILE`` (16) and multiplied
     on tensor cores, every row of a weight chunk at once (the per-row kernel reduces each row of
     each chunk across the tile, which costs more than the loads from three rows on)."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH > 0:
-        starts = k_start + tl.arange(0, PREFETCH) * LINE
-        ok = col_ok[:, None] & (starts < k_end)[None, :]
-        prefetch_l2(w_ptr + tl.where(ok, cols[:, None].to(tl.int64) * stride_wn + starts[None, :], 0))
-    wait_previous(PDL)
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL)
     rows = tl.arange(0, M_TILE)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -74,7 +97,7 @@ def _rows_dot_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, 
             if HAS_RES:
                 v = (v.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                      ).to(x_ptr.dtype.element_ty)
-                if (pid_n == 0) & (pid_k == 0):
+                if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
                     tl.store(new_r_ptr + rows[:, None] * K + (k0 + ks)[None, :], v, mask=mask)
             vf = v.to(tl.float32)
             ss += vf * vf
@@ -86,14 +109,7 @@ def _rows_dot_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, 
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         xt = _input_tile(x_ptr, r_ptr, nw_ptr, rows, row_ok, k0, ks, k_ok, stride_xm, rstds, K, PRE, HAS_RES)
         acc = tl.dot(xt.to(w.dtype), tl.trans(w), acc, input_precision=PRECISION)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    else:  # the workspace: [SPLIT, M, N] float32, slice pid_k
-        offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-        tl.store(out_ptr + offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+    store_rows(acc, out_ptr, b_ptr, rows, row_ok, cols, col_ok, M, N, stride_om, HAS_BIAS, SPLIT)
 
 
 def rows_dot(x2: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, new_residual: torch.Tensor,
