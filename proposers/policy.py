@@ -299,9 +299,7 @@ class AdaptivePolicy:
         if held_bucket == bucket and self.num_steps < until:
             self.length = held
             return held
-        # The length the engine runs now (a probe's excepted: the policy returns from it to the
-        # bucket's own), whichever bucket chose it: switching away from it costs, wherever.
-        self.length = self._next_length(bucket, None if probed else self.length)
+        self.length = self._next_length(bucket, None if probed else self.length)  # (from a probe: back)
         if self.probe is None:
             self.decided = (bucket, self.length, self.num_steps + self.recheck)
         return self.length
