@@ -160,11 +160,14 @@ def main() -> None:
                         "in turn (warm-up, plain, instrumented and profiled runs alike), so that they share "
                         "the host's speed of the moment; without it each engine is built, measured and freed "
                         "before the next")
-    parser.add_argument("--profile-rounds", type=int, default=1, help="profiled runs of each engine "
-                        "(with --profile), their counts summed")
+    parser.add_argument("--profile-rounds", type=int, default=None, help="profiled runs of each engine "
+                        "(with --profile; 1 by default), their counts summed")
     parser.add_argument("--control", action="store_true", help="a second engine without drafts, built and "
                         "run last: what a later engine of the same process costs, drafts aside")
     args = parser.parse_args()
+    if args.profile_rounds is not None and not args.profile:
+        parser.error("--profile-rounds counts profiled runs: it needs --profile")
+    args.profile_rounds = args.profile_rounds or 1
     if args.kernels and not str(args.device).startswith("cuda"):
         parser.error("--kernels profiles GPU kernels: it needs --device cuda")
     if args.warm_seconds is None:
