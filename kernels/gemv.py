@@ -16,7 +16,8 @@ unfused ops round: RMSNorm with the residual add (:func:`skinny_norm_linear`: ev
 recomputes its rows' statistics, reading them whole from L2; the first also writes the residual
 sum) and SiLU-and-mul (:func:`skinny_gated_linear`).
 
-The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` unless given, and so are
+The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` (``DOT_TILE`` for the
+tensor-core kernel below) unless given, and so are
 ``BLOCK_N`` and the split; ``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
 kernel for its linear layers in steps of up to :func:`routed_rows` rows (the ``skinny_gemv``
 option, on by default; ``plugin_options={"gpu": {"skinny_gemv": False}}`` turns it off; its
@@ -206,9 +207,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   tile: tuple[int, int, int] | None = None, block_n: int | None = None, split: int | None = None,
                   num_sms: int | None = None, dot: bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` of at most ``MAX_ROWS`` rows (``[..., K]``), ``weight``
-    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``tile``: ``(BLOCK_K, warps,
-    stages)``; ``block_n`` and ``split`` (slices of ``K``) default to :func:`choose_block_n` and
-    :func:`choose_split`."""
+    ``[N, K]`` with a unit last stride; the result has ``x``'s dtype. ``dot``: the tensor-core
+    kernel (by default from ``DOT_ROWS`` rows) or the one-row-at-a-time one (up to
+    ``ROW_LOOP_ROWS`` rows). ``tile``: ``(BLOCK_K, warps, stages)``, ``DOT_TILE`` or
+    ``DEFAULT_TILE`` by default; ``block_n`` defaults to ``DOT_BLOCK_N`` or :func:`choose_block_n`,
+    ``split`` (slices of ``K``) to :func:`choose_split`."""
     x2, n, k = linear_rows(x, weight)
     out = _launch(x2, weight, bias, 0, tile, block_n, split, num_sms, dot=dot)
     return out.reshape(*x.shape[:-1], n)
