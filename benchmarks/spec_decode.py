@@ -38,7 +38,9 @@ run without speculation), each position right with probability A, so speedup can
 acceptance on any shape, random weights included. ``--policy adaptive`` lets the adaptive
 speculation policy choose the speculation length per step (K is then its maximum).
 ``--control`` adds an A/A pair per batch size: a second engine without drafts, alternated with the
-first as the engines with drafts are, whose "speedup" should read 1.00x.
+first as the engines with drafts are, whose "speedup" should read 1.00x; it stays alive and runs
+in every configuration's rounds too (without drafts, with drafts, the second), so each row also
+has its own A/A figure from the same rounds: the spread against which that row's speedup is read.
 ``--length-zero`` holds every engine with drafts at speculation length 0 (its proposer attached,
 drafting nothing): its speedup is what a proposer costs a step when it drafts nothing.
 ``--continuous`` submits every prompt at once with at most b running (continuous batching, as a
@@ -50,7 +52,8 @@ output length from 0.5-1.5x ``--output-len`` (the same for both engines), as a s
 would. ``--batch-invariant`` runs both engines in
 batch-invariant mode: ``identical`` should then read yes
 in bf16, and the no-draft time against a run without the flag is the mode's cost. The two
-engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU.
+engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU
+(with ``--control`` three are: the one with drafts, built last, gets at most what is left free).
 
     python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
     python benchmarks/spec_decode.py --model out/checkpoints/tiny --prompts random --device cpu
@@ -384,7 +387,8 @@ def main() -> None:
                         help="both engines in batch-invariant mode (bf16 identity; its cost is the no-draft time)")
     parser.add_argument("--control", action="store_true",
                         help="also time a second engine without drafts against the first, alternated the same way "
-                             "(an A/A pair: what the order and the second engine's start cost, with nothing to gain)")
+                             "(an A/A pair: what the order and the second engine's start cost, with nothing to gain), "
+                             "and in every configuration's rounds (each row's A/A figure)")
     parser.add_argument("--length-zero", action="store_true",
                         help="hold every engine with drafts at speculation length 0 after its warm-up request: "
                              "what a proposer costs when it drafts nothing (speedup ~1 is the aim)")
@@ -461,7 +465,8 @@ def main() -> None:
                 "speedup": controls[-1]["speedup"],
                 "all runs (second engine)": " ".join(f"{t:.3f}" for t in other.times)
                                             + " (first: " + " ".join(f"{t:.3f}" for t in base.times) + ")"})
-            other.close()
+        else:
+            other = None
         for method in args.methods:
             for k in args.ks:
                 spec: dict[str, Any] = {"method": method, "num_speculative_tokens": k, "policy": args.policy}
@@ -490,6 +495,8 @@ def main() -> None:
                         engine.run()
                     base.times.clear()
                     engine.times.clear()
+                    if other is not None:
+                        other.times.clear()
                     engine.stats = None  # counted again over the first timed run
                     if engine.trace is not None:
                         engine.trace.reset()
@@ -501,6 +508,8 @@ def main() -> None:
                     if args.repeat:
                         base.run()
                     engine.run()
+                    if args.repeat and other is not None:
+                        other.run()
                 # What the policy did in the timed runs (the cost run's timers would skew its rates).
                 policy = engine.trace.summary() if engine.trace is not None else None
                 cost = engine.costs()
@@ -513,9 +522,13 @@ def main() -> None:
                 # whose speed drifts between runs moves both alike (the fastest of each may not).
                 paired = float(np.median([t0 / t1 for t0, t1 in zip(base.times, engine.times)])) \
                     if args.repeat else speedup
+                # The A/A pair in the same rounds: what two engines without drafts read against each other.
+                control = (float(np.median([t0 / t1 for t0, t1 in zip(base.times, other.times)]))
+                           if args.repeat and other is not None and other.times else None)
                 ideal = run["mean_acceptance_length"] * (base.seconds / base_steps) / (engine.seconds / run["steps"])
                 row = {"batch": b, "method": method, "k": k, "seconds": engine.seconds,
                        "base_seconds": base.seconds, "speedup": speedup, "paired_speedup": paired,
+                       "control_paired": control,
                        "ideal_speedup": ideal,
                        # every timed run, for the spread: the fastest of each counts
                        "runs_seconds": list(engine.times), "base_runs_seconds": list(base.times),
@@ -535,6 +548,7 @@ def main() -> None:
                     "all runs (no speculation)": " ".join(f"{t:.3f}" for t in engine.times)
                                                  + " (" + " ".join(f"{t:.3f}" for t in base.times) + ")",
                     "speedup": speedup, "paired speedup (median of run-by-run ratios)": paired,
+                    **({"A/A in the same rounds (paired)": control} if control is not None else {}),
                     "host loop ms before each pair (min, max)": f"{min(loops):.2f}, {max(loops):.2f}",
                     "ideal speedup": ideal, "efficiency": row["efficiency"],
                     "steps": row["steps"], "step ratio": row["step_ratio"],
@@ -548,19 +562,23 @@ def main() -> None:
                         row["step_times"][engine.times.index(engine.seconds)].items())} if row["step_times"] else {}),
                     **({"requests off their known continuation (no drafts after)": row["diverged_requests"]}
                        if "diverged_requests" in row else {})})
+        if other is not None:
+            other.close()
         base.close()
     print("\n| batch | method | K | acceptance | mean acc. len | per-position | draft cost / step | "
-          "/ token | step ratio | speedup | paired | ideal | efficiency | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "/ token | step ratio | speedup | paired | A/A paired | ideal | efficiency | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         print(f"| {r['batch']} | {r['method']} | {r['k']} | {r['acceptance_rate']:.3f} | "
               f"{r['mean_acceptance_length']:.2f} | {per_pos} | {r['draft_step_cost']:.2f} | "
               f"{r['draft_token_cost']:.2f} | {r['step_ratio']:.2f} | {r['speedup']:.2f}x | "
-              f"{r['paired_speedup']:.2f}x | {r['ideal_speedup']:.2f}x | "
+              f"{r['paired_speedup']:.2f}x | "
+              f"{'' if r['control_paired'] is None else format(r['control_paired'], '.2f') + 'x'} | "
+              f"{r['ideal_speedup']:.2f}x | "
               f"{r['efficiency']:.2f} | {'yes' if r['identical'] else 'NO'} |")
     for c in controls:
-        print(f"| {c['batch']} | control: no drafts | - | | | | | | | {c['speedup']:.2f}x | | | | |")
+        print(f"| {c['batch']} | control: no drafts | - | | | | | | | {c['speedup']:.2f}x | | | | | |")
     path = save(args.out, "spec_decode", {"config": config, "environment": environment(device), "results": results,
                                           "controls": controls})
     print(f"\nsaved {path}")
