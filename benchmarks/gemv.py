@@ -82,7 +82,9 @@ def time_call(fn: Callable[[int], Any], copies: int, calls: int, replays: int) -
 
 
 def tiles_of(spec: str) -> list[tuple[int, ...]]:
-    """``"4,8:256,512:4:3"`` -> every combination of the lists."""
+    """``"4,8:256,512:4:3"`` -> every combination of the lists; ``""`` -> none."""
+    if not spec:
+        return []
     return list(itertools.product(*([int(v) for v in part.split(",")] for part in spec.split(":"))))
 
 
@@ -208,10 +210,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--rotate-mb", type=int, default=256)
+    parser.add_argument("--rotate-mb", type=int, default=256,
+                        help="weight copies a graph cycles through, in MB at least (0: one copy, so every call "
+                             "after the first finds its weights in L2: the kernel's time without DRAM's)")
     parser.add_argument("--sweep", default="4,16:256,512:2,4:3",
                         help="BLOCK_N list : BLOCK_K list : warps list : stages list [: split list (0: the "
-                        "kernel's choice, the default)]")
+                        "kernel's choice, the default)]; '' times the default tile only")
     parser.add_argument("--moe-shapes", default="deepseek-v2-lite", help="MoE layers at one token ('' for none)")
     parser.add_argument("--moe-sweep", default="",
                         help="tiles of the MoE kernels to time, 'GATE_UP_SPEC/DOWN_SPEC', each "
@@ -267,11 +271,12 @@ def main() -> None:
                     except Exception as e:  # a tile that does not fit (registers, shared memory)
                         tiles[config] = float("inf")
                         print(f"  tile {config}: {type(e).__name__}", file=sys.stderr)
+                default_config = [DOT_BLOCK_N, *DOT_TILE] if m >= DOT_ROWS else [choose_block_n(n, sms), *DEFAULT_TILE]
+                if not tiles:  # no sweep (--sweep ""): the default is the best timed
+                    tiles[(*default_config, 0)] = default
                 best = min(tiles, key=tiles.get)
                 row = dict(shape=shape, layer=name, n=n, k=k, rows=m, bytes=size, rel_err=err, cublas_us=cublas,
-                           default_us=default, row_loop_us=row_loop,
-                           default_config=[DOT_BLOCK_N, *DOT_TILE] if m >= DOT_ROWS else [choose_block_n(n, sms),
-                                                                                          *DEFAULT_TILE],
+                           default_us=default, row_loop_us=row_loop, default_config=default_config,
                            best_us=tiles[best],
                            best_config=list(best), tiles={str(c): t for c, t in tiles.items()})
                 results.append(row)

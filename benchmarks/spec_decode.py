@@ -52,8 +52,8 @@ output length from 0.5-1.5x ``--output-len`` (the same for both engines), as a s
 would. ``--batch-invariant`` runs both engines in
 batch-invariant mode: ``identical`` should then read yes
 in bf16, and the no-draft time against a run without the flag is the mode's cost. The two
-engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` (0.4) of the GPU
-(with ``--control`` three are: the one with drafts, built last, gets at most what is left free).
+engines of a comparison are alive at once, so each gets ``--gpu-memory-utilization`` of the GPU: 0.4,
+or 0.3 with ``--control``, which keeps three alive.
 
     python benchmarks/spec_decode.py --batch-sizes 1,32 --ks 1,2,3,5
     python benchmarks/spec_decode.py --model out/checkpoints/tiny --prompts random --device cpu
@@ -378,8 +378,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default 1 on the CPU: small models' ops gain nothing from more, "
                              "and a busy machine makes a multi-threaded pool stall)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                        help="per engine: a comparison keeps two engines alive")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="per engine: a comparison keeps two engines alive, three with --control "
+                             "(default 0.4, 0.3 with --control)")
     parser.add_argument("--alpha", type=float, default=None,
                         help="acceptance-controlled: each draft position right with this probability")
     parser.add_argument("--policy", default="fixed", help="speculation policy (fixed, adaptive)")
@@ -401,6 +402,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.warm_seconds is None:
         args.warm_seconds = 10.0 if args.device.startswith("cuda") else 0.0
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.3 if args.control else 0.4
     args.ks = [int(k) for k in args.ks.split(",")]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.methods is None:
