@@ -379,3 +379,42 @@ def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pyte
         assert pdl.launch_options(cpu) == {"PDL": True, "launch_pdl": True}
     finally:
         pdl.set_enabled(False)
+
+
+def test_each_projection_asks_l2_for_the_weights_after_the_next_once() -> None:
+    """``pdl.ahead_plan``: each launch covers the weights after it up to the budget past the next
+    one's start, in at most two pieces, each byte once; a weight larger than the budget (an LM
+    head) ends the window. ``pdl.planned`` hands a kernel reading a weight its pieces as byte views
+    (with their L2 lines) while a capture runs, and nothing after."""
+    from specloop.kernels import pdl
+
+    mb = 1 << 20
+    layer = [8 * mb, 4 * mb, 12 * mb, 6 * mb]  # q/k/v, o, gate/up, down
+    sizes = layer * 2 + [300 * mb]
+    plan = pdl.ahead_plan(sizes, 20 * mb)
+    # The q/k/v projection asks for the output and gate/up projections: attention runs meanwhile.
+    assert plan[0] == [(1, 0, 4 * mb), (2, 0, 12 * mb)]
+    assert plan[1] == [(3, 0, 6 * mb), (4, 0, 2 * mb)]
+    covered = [0] * len(sizes)
+    for i, pieces in enumerate(plan):
+        assert len(pieces) <= pdl.AHEAD_REGIONS and sum(n for _, _, n in pieces) <= 20 * mb
+        assert all(j > i for j, _, _ in pieces)
+        for j, start, n in pieces:
+            assert start == covered[j], "a weight's bytes are asked for in order, each once"
+            covered[j] += n
+    assert covered == [0] + sizes[1:8] + [0]  # all but the first weight and the LM head, whole
+    assert pdl.ahead_plan(sizes, 0) == [[] for _ in sizes]
+
+    weights = [torch.randn(n // (64 * 4), 64) for n in (256 * 4, 512 * 4, 128 * 4)]  # float32: 1, 2, 0.5 KB
+    with pdl.recording() as order:
+        for w in weights + weights[:1]:
+            pdl.record(w)
+    assert [w.data_ptr() for w in order] == [w.data_ptr() for w in weights + weights[:1]]
+    pdl.record(weights[0])  # outside: not recorded
+    assert len(order) == 4
+    with pdl.planned(order, 4096):
+        (first, lines1), (second, lines2) = pdl.ahead_of(weights[0])
+        assert first.data_ptr() == weights[1].data_ptr() and first.numel() == 2048 and lines1 == 16
+        assert second.data_ptr() == weights[2].data_ptr() and second.numel() == 512 and lines2 == 4
+        assert pdl.ahead_of(weights[1]) == () and pdl.ahead_of(weights[2]) == ()
+    assert pdl.ahead_of(weights[0]) == ()
