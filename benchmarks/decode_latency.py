@@ -32,7 +32,7 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
-             ("skinny_rows", args.skinny_rows), ("l2_ahead", args.l2_ahead))
+             ("skinny_rows", args.skinny_rows))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -116,9 +116,6 @@ def main() -> None:
     parser.add_argument("--last-sums", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's last_sums option (a split projection's slices added by its last "
                         "program, not a second kernel; off by default)")
-    parser.add_argument("--l2-ahead", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's l2_ahead option (each one-row projection asks L2 for the weights "
-                        "after the next one once its own loads are out)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

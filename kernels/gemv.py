@@ -41,7 +41,7 @@ import triton.language as tl
 from . import last_sums, pdl
 from .last_sums import arrive
 from .matmul import linear_rows
-from .pdl import prefetch_ahead, wait_previous
+from .pdl import wait_previous
 from .rows_dot import program_slice, rows_dot, store_rows
 
 MAX_ROWS = 16
@@ -106,11 +106,10 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K,
 
 @triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_ptr, count_ptr, M, N, K, k_per_split,
-                 stride_xm, stride_wn, stride_om, eps, a0_ptr, a0_lines, a1_ptr, a1_lines,
+                 stride_xm, stride_wn, stride_om, eps,
                  M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINE: tl.constexpr, LAST_SUMS: tl.constexpr, AHEAD: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, LAST_SUMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # While the kernel before still runs: this program's weights into L2 (PREFETCH).
@@ -145,8 +144,6 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
             rstd = tl.sum(tl.where(rows == m, rstds, 0.0), 0)
             xm = _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K, PRE, HAS_RES)
             acc = tl.where(rows[:, None] == m, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
-    # Its own loads out: the weights after it, planned at capture (``pdl.planned``), asked of L2.
-    prefetch_ahead(a0_ptr, a0_lines, a1_ptr, a1_lines, AHEAD)
     store_rows(acc, out_ptr, b_ptr, rows, row_ok, cols, col_ok, M, N, stride_om, HAS_BIAS, SPLIT)
     if SPLIT > 1:
         if LAST_SUMS:  # the column block's last slice to arrive adds them all, in order
@@ -292,7 +289,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     norm_weight, eps, new_residual = norm if norm is not None else (weight, 0.0, x2)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     launch = pdl.launch_options(x2.device)
-    pdl.record(weight)
     prefetch = 0  # L2 lines a weight row, a power of two, at most 2,048 requests a program
     if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(x2.device):
         line = pdl.LINE_BYTES // weight.element_size()
@@ -302,18 +298,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
         rows_dot(x2, residual, norm_weight, new_residual, weight, bias, target, k_per_split, eps, pre, split,
                  block_n, tile, prefetch, launch)
     else:
-        grid = (triton.cdiv(n, block_n), split)
-        regions = pdl.ahead_of(weight) if launch["PDL"] else ()
-        (a0, n0), (a1, n1) = (list(regions) + [(regions[0][0] if regions else weight, 0)] * 2)[:2]
-        ahead = triton.next_power_of_2(triton.cdiv(n0 + n1, grid[0] * grid[1])) if n0 + n1 else 0
-        _gemv_kernel[grid](
+        _gemv_kernel[(triton.cdiv(n, block_n), split)](
             x2, residual if residual is not None else x2, norm_weight, new_residual, weight,
             bias if has_bias else weight, target, out, last_sums.counts(x2.device) if by_last else target,
             m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
-            eps, a0, n0, a1, n1, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n,
-            BLOCK_K=block_k, PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch,
-            LINE=pdl.LINE_BYTES // weight.element_size(), LAST_SUMS=by_last, AHEAD=ahead, num_warps=num_warps,
-            num_stages=num_stages, **launch)
+            eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
+            PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
+            LAST_SUMS=by_last, num_warps=num_warps, num_stages=num_stages, **launch)
     if split > 1 and not by_last:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),

@@ -22,10 +22,8 @@ Kernels take a ``PDL`` constexpr and are launched with ``**launch_options(device
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from typing import Iterator, Sequence
 
 import torch
 import triton
@@ -38,12 +36,6 @@ except ImportError:  # pragma: no cover - older Triton: never enabled
 
 _ENABLED = False
 LINE_BYTES = 128  # an L2 prefetch asks for one cache line
-LINE_BYTES_C: tl.constexpr = tl.constexpr(LINE_BYTES)
-AHEAD_REGIONS = 2  # the most weights (or parts of one) a kernel asks L2 for ahead of the next ones
-# A step's weights in launch order while recording (:func:`recording`); each weight's regions ahead
-# while a plan is set (:func:`planned`), keyed by its address.
-_RECORD: list[torch.Tensor] | None = None
-_AHEAD: dict[int, tuple[tuple[torch.Tensor, int], ...]] = {}
 
 
 def set_enabled(on: bool) -> None:
@@ -99,94 +91,3 @@ def prefetch_l2(ptrs):
     give one pointer a ``LINE_BYTES`` line). Nothing is read into registers."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
-
-
-def ahead_plan(sizes: Sequence[int], budget: int, regions: int = AHEAD_REGIONS) -> list[list[tuple[int, int, int]]]:
-    """What each of a step's weight-reading kernels asks L2 for once its own loads are out: for the
-    weights' sizes in launch order (bytes), each launch's ``(weight, first byte, bytes)`` regions.
-
-    Launch ``i`` covers the bytes of the weights after it, from where the launches before it stopped
-    up to ``budget`` bytes past the start of the next weight, in at most ``regions`` pieces. So
-    while the kernels without weights run (attention, rotary), the memory keeps streaming the
-    projections after them, and each projection finds its weights in L2. A weight larger than
-    ``budget`` ends the window: it would evict what was fetched before it is used."""
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size)
-    plan: list[list[tuple[int, int, int]]] = []
-    cursor = 0
-    for i in range(len(sizes)):
-        pieces: list[tuple[int, int, int]] = []
-        if i + 1 < len(sizes):
-            lo, hi = max(cursor, starts[i + 1]), starts[i + 1] + budget
-            j = i + 1
-            while j < len(sizes) and starts[j] < hi and len(pieces) < regions:
-                if sizes[j] > budget:  # too large to keep: the window ends here
-                    break
-                a, b = max(lo, starts[j]), min(hi, starts[j + 1])
-                if b > a:
-                    pieces.append((j, a - starts[j], b - a))
-                    cursor = b
-                j += 1
-        plan.append(pieces)
-    return plan
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[torch.Tensor]]:
-    """Collect the weights that the kernels taking part read, in launch order, while inside."""
-    global _RECORD
-    _RECORD = weights = []
-    try:
-        yield weights
-    finally:
-        _RECORD = None
-
-
-def record(weight: torch.Tensor) -> None:
-    if _RECORD is not None:
-        _RECORD.append(weight)
-
-
-@contextlib.contextmanager
-def planned(weights: Sequence[torch.Tensor], budget: int) -> Iterator[None]:
-    """While inside (a CUDA graph capture), each kernel reading one of ``weights`` (a step's, in
-    launch order, from :func:`recording`) asks L2 for its :func:`ahead_plan` regions after its own
-    loads. A graph keeps the addresses; the plan is dropped on exit, so no later launch reaches for
-    memory the engine may have given back."""
-    first: dict[int, int] = {}
-    for i, w in enumerate(weights):
-        first.setdefault(w.data_ptr(), i)
-    order = [weights[i] for i in sorted(first.values())]
-    plan = ahead_plan([w.numel() * w.element_size() for w in order], budget)
-    _AHEAD.clear()
-    for w, pieces in zip(order, plan):
-        if pieces:
-            _AHEAD[w.data_ptr()] = tuple(
-                (order[j].reshape(-1).view(torch.uint8)[start:start + size], -(-size // LINE_BYTES))
-                for j, start, size in pieces)
-    try:
-        yield
-    finally:
-        _AHEAD.clear()
-
-
-def ahead_of(weight: torch.Tensor) -> tuple[tuple[torch.Tensor, int], ...]:
-    """The planned regions (byte views, L2 lines) a kernel reading ``weight`` asks for ahead."""
-    return _AHEAD.get(weight.data_ptr(), ()) if _AHEAD else ()
-
-
-@triton.jit
-def prefetch_ahead(a0_ptr, a0_lines, a1_ptr, a1_lines, AHEAD: tl.constexpr):
-    """This program's share of two byte regions (``a0_lines`` and ``a1_lines`` L2 lines from
-    ``a0_ptr`` and ``a1_ptr``, uint8 pointers) asked of L2: the programs of the grid take every
-    line in turn, ``AHEAD`` each at most."""
-    if AHEAD > 0:
-        nprog = tl.num_programs(0) * tl.num_programs(1)
-        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        lines = (pid + tl.arange(0, AHEAD) * nprog).to(tl.int64)
-        in0 = lines < a0_lines
-        in1 = (lines >= a0_lines) & (lines < a0_lines + a1_lines)
-        offs0 = tl.where(in0, lines * LINE_BYTES_C, 0)
-        offs1 = tl.where(in1, (lines - a0_lines) * LINE_BYTES_C, 0)
-        prefetch_l2(tl.where(in1, a1_ptr + offs1, a0_ptr + offs0))

@@ -33,14 +33,12 @@ small steps; it does not reduce FLOPs or bytes moved.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 from typing import Callable
 
 import torch
 
 from specloop.kernel.outputs import SchedulerOutput
-from specloop.kernels import pdl
 from specloop.kernels.sampling import argmax_rows, gumbel_sample
 from specloop.proposers.step_graphs import graph_sizes
 
@@ -64,9 +62,8 @@ class GraphExecutor:
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
                  vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True,
-                 sample_in_graph: bool = False, l2_ahead: bool = False) -> None:
+                 sample_in_graph: bool = False) -> None:
         self.eager = eager
-        self.l2_ahead = l2_ahead  # capture under a plan of the weights each projection fetches ahead
         self.batch = batch
         self.q_lens = q_lens
         self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
@@ -118,33 +115,19 @@ class GraphExecutor:
         for q in self.q_lens:
             bodies += [((q, s), lambda q=q, s=s: self._body(q, s)) for s in sorted(self.sizes, reverse=True)
                        if s * q <= self.max_tokens]
-        with self._ahead(device):
-            for key, body in bodies:
-                graph = torch.cuda.CUDAGraph()
-                run = body()
-                with torch.inference_mode():
-                    run()  # warm-up outside the graph: compiles kernels, sets up cuBLAS
-                    torch.cuda.synchronize(device)
-                    with torch.cuda.graph(graph, pool=pool):
-                        run()
-                pool = graph.pool()
-                self.graphs[key] = graph
+        for key, body in bodies:
+            graph = torch.cuda.CUDAGraph()
+            run = body()
+            with torch.inference_mode():
+                run()  # warm-up outside the graph: compiles kernels, sets up cuBLAS
+                torch.cuda.synchronize(device)
+                with torch.cuda.graph(graph, pool=pool):
+                    run()
+            pool = graph.pool()
+            self.graphs[key] = graph
         torch.cuda.synchronize(device)
         logger.info("captured %d CUDA graphs (q in %s, up to %d requests; ragged up to %d tokens)", len(self.graphs),
                     self.q_lens, max(self.sizes), max(self.ragged, default=0))
-
-    def _ahead(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
-        """With ``l2_ahead`` (and programmatic dependent launch): the weights a one-token step's
-        projections read, in order, recorded from one eager run, and the capture planned on them
-        (``kernels.pdl.planned``): each asks L2 for the weights after the next one."""
-        if not (self.l2_ahead and pdl.enabled(device) and 1 in self.q_lens and 1 in self.sizes):
-            return contextlib.nullcontext()
-        run = self._body(1, 1)
-        with torch.inference_mode(), pdl.recording() as weights:
-            run()
-        torch.cuda.synchronize(device)
-        logger.info("%d projections a step fetch the weights after them into L2", len(weights))
-        return pdl.planned(weights, pdl.prefetch_budget(device))
 
     def _body(self, q: int, size: int, ragged_tokens: int = 0) -> Callable[[], None]:
         """The forward of ``size`` request rows of ``q`` tokens, or with ``q = 0`` of

@@ -29,11 +29,8 @@ inside the attention kernel, one launch a layer fewer, ``kernels.paged_attention
 the H200 it made qwen3-0.6b's batch-1 decode 5% slower, batch 4 3% faster) and ``last_sums``
 (default off: a few-rows projection split along its inputs has its slices added by the last program
 of each column block to finish, counted by an atomic, instead of by a second kernel, and
-flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1)
-and ``l2_ahead`` (default off; with ``pdl``: the graphs are captured under a plan of a one-token
-step's weights, each one-row projection asking L2, once its own loads are out, for the weights
-after the next one, up to a third of L2, so that memory keeps streaming while attention runs;
-``kernels.pdl.ahead_plan``). Any other key is refused.
+flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1).
+Any other key is refused.
 """
 
 from __future__ import annotations
@@ -69,7 +66,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "l2_ahead")
+               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -85,7 +82,6 @@ class GpuPlatform:
         self.pdl = None if opts.get("pdl") is None else bool(opts["pdl"])  # None: where it pays
         self.rope_in_attention = bool(opts.get("rope_in_attention", False))
         self.last_sums = bool(opts.get("last_sums", False))
-        self.l2_ahead = bool(opts.get("l2_ahead", False))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -134,8 +130,7 @@ class GpuPlatform:
             ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc), ragged=ragged,
-                                     sample_in_graph=self.graph_sampling and runner.tp.size == 1,
-                                     l2_ahead=self.l2_ahead)
+                                     sample_in_graph=self.graph_sampling and runner.tp.size == 1)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            device_rows=batch if self.device_proposals else None)
