@@ -275,10 +275,10 @@ def test_gpu_runner_options_are_checked() -> None:
     assert use_few_rows_linear(model) == 2 and all(m.matmul is few_rows_linear for m in model)
     with pytest.raises(ValueError, match="skinny_gemv.*batch_invariant"):
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}}, batch_invariant=True))
-    # skinny_rows: the most rows a step the few-rows kernels take (one by default), 1 to MAX_ROWS.
+    # skinny_rows: the most rows a step the few-rows kernels take (two by default), 1 to MAX_ROWS.
     from specloop.kernels import gemv
 
-    assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows == gemv.ROUTED_ROWS == 1
+    assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows == gemv.ROUTED_ROWS == 2
     assert GpuPlatform(EngineConfig(device="cuda", plugin_options={"gpu": {"skinny_rows": 4}})).skinny_rows == 4
     for bad in (0, gemv.MAX_ROWS + 1, 2.0, True, "4"):
         with pytest.raises(ValueError, match="skinny_rows.*integer from 1 to 16"):

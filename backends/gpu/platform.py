@@ -13,7 +13,7 @@ a proposer that can launches its greedy proposal from the device after a verific
 left in the device token rows; off, it proposes once the host has read the step) and
 ``device_timeline`` (device timestamps for the step timeline) and ``skinny_gemv`` (default on on
 CUDA, off with ``batch_invariant``, which it cannot be combined with: the target's linear layers run
-``kernels.gemv`` in steps of up to ``skinny_rows`` rows (default 1, at most 16), cuBLAS in the
+``kernels.gemv`` in steps of up to ``skinny_rows`` rows (default 2, at most 16), cuBLAS in the
 rest, and the op set fuses a decoder layer's norms and activation into them,
 ``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
 step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only) and
@@ -163,7 +163,8 @@ def pdl_pays(model: torch.nn.Module, device: torch.device) -> bool:
 
 def use_few_rows_linear(model: object) -> int:
     """The ``skinny_gemv`` option: every linear layer of ``model`` runs ``kernels.gemv``'s
-    ``few_rows_linear`` (its kernel for one-row steps, ``F.linear`` for more); the layers switched."""
+    ``few_rows_linear`` (its kernels for steps of up to ``skinny_rows`` rows, ``F.linear`` for more); the
+    layers switched."""
     switched = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)):
