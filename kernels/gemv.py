@@ -49,15 +49,18 @@ ROW_LOOP_ROWS = 4  # the one-row-at-a-time kernel's most rows
 # From this many rows the tensor-core kernel is the default: at two rows the one-row-at-a-time
 # kernel timed 20.6 us over qwen3-0.6b's four projections against 21.7 (H200, benchmarks/gemv.py).
 DOT_ROWS = 3
-# The steps the runner routes to the kernels by default: up to two rows. On the H200 the one-row
-# kernel runs a decode projection of qwen3-0.6b or llama3-8b in 0.85-1.07x cuBLAS's time (0.48x at
+# The steps the runner routes to the kernels by default: one row. On the H200 the one-row kernel
+# runs a decode projection of qwen3-0.6b or llama3-8b in 0.85-1.07x cuBLAS's time (0.48x at
 # qwen3-0.6b's o_proj), and fusing a layer's norm and activation into it makes batch-1 decode 14%
-# faster; at two rows (batch 2, or one draft verified at batch 1) qwen3-0.6b decoded 1,754-1,757
-# tok/s against cuBLAS's 1,401-1,464. From three rows the tensor-core kernel, slower than cuBLAS
-# inside the model, would take them. The GPU runner's ``skinny_rows`` option routes steps of up to
-# that many rows (at most ``MAX_ROWS``; :func:`set_routed_rows`). A mixture of experts routes one row (``MOE_ROUTED_ROWS``):
+# faster. Two rows (``SMALL_ROUTED_ROWS``) for a model of small projections, whose step is launch
+# and latency bound (the GPU runner's rule, ``backends.gpu.platform.default_skinny_rows``): at batch
+# 2 qwen3-0.6b decoded 1,754-1,757 tok/s so against cuBLAS's 1,401-1,464, but llama3-8b 292 against
+# 415, its long projections bound by the row loop's reductions. From three rows the tensor-core
+# kernel would take them, slower than cuBLAS inside the model. The GPU runner's ``skinny_rows``
+# option routes steps of up to that many rows (at most ``MAX_ROWS``; :func:`set_routed_rows`). A mixture of experts routes one row (``MOE_ROUTED_ROWS``):
 # its few-tokens kernels time as the grouped GEMMs do from two tokens on.
-ROUTED_ROWS = 2
+ROUTED_ROWS = 1
+SMALL_ROUTED_ROWS = 2
 MOE_ROUTED_ROWS = 1
 _routed_rows = ROUTED_ROWS
 

@@ -244,7 +244,7 @@ def test_prompt_logprobs_are_reported_once_across_preemption() -> None:
     assert len(plans.run({"a": 14})[1].prompt_logprobs["a"]) == 14
 
 
-def test_gpu_runner_options_are_checked() -> None:
+def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gpu runner's options take effect or are refused by name (no key silently ignored)."""
     from specloop.backends.gpu.platform import GpuPlatform
 
@@ -275,10 +275,19 @@ def test_gpu_runner_options_are_checked() -> None:
     assert use_few_rows_linear(model) == 2 and all(m.matmul is few_rows_linear for m in model)
     with pytest.raises(ValueError, match="skinny_gemv.*batch_invariant"):
         GpuPlatform(EngineConfig(plugin_options={"gpu": {"skinny_gemv": True}}, batch_invariant=True))
-    # skinny_rows: the most rows a step the few-rows kernels take (two by default), 1 to MAX_ROWS.
-    from specloop.kernels import gemv
+    # skinny_rows: the most rows a step the few-rows kernels take, 1 to MAX_ROWS; by default (None)
+    # two for a model of small projections (where programmatic dependent launch pays), else one.
+    from specloop.backends.gpu import platform
+    from specloop.kernels import gemv, pdl
 
-    assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows == gemv.ROUTED_ROWS == 2
+    assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows is None
+    cpu = torch.device("cpu")
+    assert platform.default_skinny_rows(model, cpu) == gemv.ROUTED_ROWS == 1
+    monkeypatch.setattr(pdl, "supported", lambda device: True)
+    monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4)  # both float32 weights fit
+    assert platform.default_skinny_rows(model, cpu) == gemv.SMALL_ROUTED_ROWS == 2
+    monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4 - 1)
+    assert platform.default_skinny_rows(model, cpu) == 1
     assert GpuPlatform(EngineConfig(device="cuda", plugin_options={"gpu": {"skinny_rows": 4}})).skinny_rows == 4
     for bad in (0, gemv.MAX_ROWS + 1, 2.0, True, "4"):
         with pytest.raises(ValueError, match="skinny_rows.*integer from 1 to 16"):
