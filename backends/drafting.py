@@ -78,6 +78,9 @@ class DraftingStage:
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
         self._recent: deque[StepRecord] = deque(maxlen=6)  # the last steps, for the policy's rates
+        # Every step's record as well, when a caller keeps them (a benchmark's trace of what the
+        # policy chose and was told, at the cost of one append a step).
+        self.history: list[StepRecord] | None = None
         # Per request, its token ids as an array kept across steps (buffer, tokens valid in it):
         # a step appends its few new tokens instead of converting the whole list again.
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}
@@ -109,6 +112,8 @@ class DraftingStage:
                             wanted or any(plan.scheduled_spec_decode_tokens.values()), time.perf_counter(), length,
                             num_reqs, admitted >= num_reqs, admitted > 0)
         self._recent.append(record)
+        if self.history is not None:
+            self.history.append(record)
         self._report_rates()
         return record
 
@@ -120,12 +125,14 @@ class DraftingStage:
         (EAGLE-3 at K = 3, batch 128: 2.6x dearer). Not the second step of a run (after a run with
         drafts it is the first that overlaps the next, and its interval still holds the pipeline's
         refill), nor a step followed by one of only new requests (the engine may have idled)."""
-        recent = list(self._recent)
-        for earlier, before, step, after in zip(recent, recent[1:], recent[2:], recent[3:]):
-            if (not step.reported and step.tokens and not step.admits and not after.admits
-                    and step.length == after.length
-                    and not after.fresh and after.started > step.started
-                    and (before.length != step.length or earlier.length == step.length)):
+        recent = self._recent
+        for i in range(3, len(recent)):  # (earlier, before, step, after) = recent[i - 3:i + 1]
+            step, after = recent[i - 1], recent[i]
+            if (step.reported or not step.tokens or step.admits or after.admits or step.length != after.length
+                    or after.fresh or after.started <= step.started):
+                continue
+            before = recent[i - 2]
+            if before.length != step.length or recent[i - 3].length == step.length:
                 step.reported = True
                 self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,
                                          first=before.length != step.length)

@@ -156,71 +156,63 @@ class Timer:
 
 
 class PolicyTrace:
-    """What the speculation policy chose and measured, step by step: the length it ran at each step
-    (run-length encoded, ``3x40 0x8 ...``) and, per batch-size bucket and length, the steady step
-    times it was told (``observe_rate``: median and mean ms per step, count)."""
+    """What the speculation policy chose and measured, step by step, read from the drafting stage's
+    records (``DraftingStage.history``: nothing wraps the engine's calls, so tracing costs a timed
+    run one list append a step): the length it ran at each step (run-length encoded, ``3x40 0x8
+    ...``) and, per batch-size bucket and length, the steady step times it was told
+    (``observe_rate``: median and mean ms per step, count)."""
 
-    def __init__(self, policy: Any) -> None:
-        self.lengths: list[int] = []
-        self.steps: dict[str, list[float]] = {}
-        drafting, observe_rate = policy.drafting, policy.observe_rate
-
-        def traced_drafting(req_ids: Any) -> int:
-            n = int(drafting(req_ids))
-            self.lengths.append(n)
-            return n
-
-        def traced_observe_rate(length: int, num_reqs: int, tokens: int, seconds: float, first: bool = False) -> None:
-            if not first:
-                self.steps.setdefault(f"b{batch_bucket(num_reqs)} L{length}", []).append(1e3 * seconds)
-            observe_rate(length, num_reqs, tokens, seconds, first)
-
-        policy.drafting, policy.observe_rate = traced_drafting, traced_observe_rate
+    def __init__(self, drafter: Any) -> None:
+        self.history: list[Any] = []
+        drafter.history = self.history
 
     def reset(self) -> None:
-        self.lengths.clear()
-        self.steps.clear()
+        self.history.clear()
 
     def summary(self) -> dict[str, Any]:
+        lengths = [r.length for r in self.history]
         runs: list[list[int]] = []
-        for n in self.lengths:
+        for n in lengths:
             if runs and runs[-1][0] == n:
                 runs[-1][1] += 1
             else:
                 runs.append([n, 1])
+        steps: dict[str, list[float]] = {}
+        # A reported step's time ran to the next step's start; the first of a run (after a step of
+        # another length) was reported as such, and is left out as the policy's trace always did.
+        for before, step, after in zip(self.history, self.history[1:], self.history[2:]):
+            if step.reported and before.length == step.length:
+                steps.setdefault(f"b{batch_bucket(step.num_reqs)} L{step.length}", []).append(
+                    1e3 * (after.started - step.started))
         return {"lengths": " ".join(f"{n}x{c}" for n, c in runs),
-                "share": {n: self.lengths.count(n) / len(self.lengths) for n in sorted(set(self.lengths))},
+                "share": {n: lengths.count(n) / len(lengths) for n in sorted(set(lengths))} if lengths else {},
                 "step_ms": {k: {"median": float(np.median(v)), "mean": float(np.mean(v)), "count": len(v)}
-                            for k, v in sorted(self.steps.items())}}
+                            for k, v in sorted(steps.items())}}
 
 
 class StepTimes:
     """Where a timed run's wall time went, by step: the speculation length it ran at, whether it
     was the first of a run at that length (a switch: a drained pipeline, a catch-up) and whether it
     admitted requests (their prefill, a proposer's first pass over their prompts). A step's time is
-    from its sampling to the next step's, as the drafting stage measures it for the policy."""
+    from its sampling to the next step's, as the drafting stage measures it for the policy; read
+    from the same records as :class:`PolicyTrace`."""
 
-    def __init__(self, drafter: Any) -> None:
-        self.steps: list[tuple[float, int, bool]] = []  # (sampling began, length, admits)
+    def __init__(self, trace: PolicyTrace) -> None:
+        self.trace = trace
+        self.seen = 0  # records of earlier runs
         self.runs: list[dict[str, list[float]]] = []
-        begin = drafter.begin_step
-
-        def traced(plan: Any) -> Any:
-            record = begin(plan)
-            self.steps.append((record.started, record.length,
-                               bool(plan.scheduled_new_reqs or plan.scheduled_resumed_reqs)))
-            return record
-        drafter.begin_step = traced
 
     def end_run(self) -> None:
         """Close a timed run: ``{category: [steps, milliseconds]}``."""
         cats: dict[str, list[float]] = {}
-        steps, self.steps = self.steps, []
-        for (_, before, _), (t, length, admits), (after, _, _) in zip(steps, steps[1:], steps[2:]):
-            key = f"L{length}" + ("-first" if before != length else "") + ("-admit" if admits else "")
+        steps = self.trace.history[self.seen:]
+        self.seen = len(self.trace.history)
+        for before, step, after in zip(steps, steps[1:], steps[2:]):
+            key = (f"L{step.length}" + ("-first" if before.length != step.length else "")
+                   + ("-admit" if step.admits else ""))
             c = cats.setdefault(key, [0, 0.0])
             c[0] += 1
-            c[1] += 1e3 * (after - t)
+            c[1] += 1e3 * (after.started - step.started)
         self.runs.append({k: [n, round(ms, 1)] for k, (n, ms) in sorted(cats.items())})
 
 
@@ -229,7 +221,8 @@ class Engine:
     a time, one ``generate`` call per round."""
 
     def __init__(self, args: argparse.Namespace, prompts: list[list[int]], batch_size: int,
-                 spec: dict[str, Any] | None, plugin_options: dict[str, Any] | None = None) -> None:
+                 spec: dict[str, Any] | None, plugin_options: dict[str, Any] | None = None,
+                 decode_tile: Any = None) -> None:
         from specloop import LLM, SamplingParams
         from specloop.frontend.engine_builder import freeze_heap
 
@@ -239,6 +232,8 @@ class Engine:
             options["gpu"] = {"device_proposals": False}
         if args.early_verification and self.cuda:
             options["gpu"] = {**options.get("gpu", {}), "late_verification": False}
+        if decode_tile is not None and self.cuda:  # the first engine's, not one timed anew
+            options["gpu"] = {**options.get("gpu", {}), "decode_tile": list(decode_tile)}
         self.llm = LLM(args.model, skip_tokenizer_init=True, device=args.device, speculative_config=spec,
                        max_model_len=args.prompt_len + max(output_lengths(args, len(prompts))) + 16,
                        max_num_seqs=batch_size,
@@ -258,8 +253,8 @@ class Engine:
         if drafter is not None and args.length_zero:  # the proposer attached, drafting nothing
             drafter.policy.drafting = lambda req_ids: 0
             drafter.policy.choose = lambda req_ids, limit: [0] * len(req_ids)
-        self.trace = PolicyTrace(drafter.policy) if drafter is not None else None
-        self.step_times = StepTimes(drafter) if drafter is not None else None
+        self.trace = PolicyTrace(drafter) if drafter is not None else None
+        self.step_times = StepTimes(self.trace) if self.trace is not None else None
         freeze_heap()  # no full collection over the KV blocks inside a timed run
         self.times: list[float] = []
         # The first timed run's tokens and counters (greedy: every run is the same).
@@ -441,6 +436,9 @@ def main() -> None:
     for b in args.batch_sizes:
         batch = prompts[:num_prompts(args, b)]
         base = Engine(args, batch, b, None)
+        # Every later engine decodes with the tile this one timed: each would time its own at
+        # start-up, and two engines of one process have chosen differently (a confound of a few %).
+        tile = getattr(base.llm.core.runner.attn_backend, "decode_config", None)
         base.run()
         warm_until = time.perf_counter() + args.warm_seconds
         while time.perf_counter() < warm_until:  # until the device has left its idle clocks
@@ -450,7 +448,7 @@ def main() -> None:
                                              "output tok/s": base.stats["output_tokens"] / base.seconds,
                                              "target forward ms/step": 1e3 * base_cost["forward_s"]})
         if args.control:  # an A/A pair: a second engine without drafts, alternated as the others are
-            other = Engine(args, batch, b, None)
+            other = Engine(args, batch, b, None, decode_tile=tile)
             for _ in range(args.warm_runs):
                 other.run()
             base.times.clear()
@@ -487,7 +485,7 @@ def main() -> None:
                     truth = {tuple(p): t for p, t in zip(batch, base.stats["tokens"])}
                     options["controlled"] = {"continuations": truth}
                 try:
-                    engine = Engine(args, batch, b, spec, options)
+                    engine = Engine(args, batch, b, spec, options, decode_tile=tile)
                 except (ValueError, RuntimeError) as e:
                     report(f"batch {b}: {method} K={k}", {"skipped": str(e)})
                     continue
@@ -505,6 +503,7 @@ def main() -> None:
                         engine.trace.reset()
                     if engine.step_times is not None:
                         engine.step_times.runs.clear()
+                        engine.step_times.seen = 0
                 loops = []  # the host's speed before each pair of runs (common.host_loop_ms)
                 for _ in range(max(args.repeat, 1)):
                     loops.append(host_loop_ms())
@@ -516,7 +515,7 @@ def main() -> None:
                 # What the policy did in the timed runs (the cost run's timers would skew its rates).
                 policy = engine.trace.summary() if engine.trace is not None else None
                 cost = engine.costs()
-                # Each engine times its decode attention tiles at start-up: which it chose, with and without drafts.
+                # The decode attention tiles, with and without drafts (the same: given the first's).
                 tiles = [getattr(e.llm.core.runner.attn_backend, "decode_config", None) for e in (base, engine)]
                 engine.close()
                 run, base_steps = engine.stats, base.stats["steps"]

@@ -201,10 +201,13 @@ def main() -> None:
         engines.append(("no drafts, built last", None, False, False))
     os.makedirs(args.out, exist_ok=True)
     results: dict[str, Any] = {}
+    tile: list[Any] = []  # the first engine's decode attention tile, given to the others
 
     def build(name: str, spec: dict[str, Any] | None, zero: bool, early: bool) -> Any:
         run_args.length_zero, run_args.early_verification = zero, early
-        engine = spec_decode.Engine(run_args, prompts, args.batch, spec)
+        engine = spec_decode.Engine(run_args, prompts, args.batch, spec, decode_tile=tile[0] if tile else None)
+        if not tile:
+            tile.append(getattr(engine.llm.core.runner.attn_backend, "decode_config", None))
         engine.run()  # warm-up: compiles, graph pools, the policy's first probes
         return engine
 

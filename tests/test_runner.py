@@ -280,6 +280,21 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     from specloop.backends.gpu import platform
     from specloop.kernels import gemv, pdl
 
+    # decode_tile: the decode attention tile given (one of the backend's), not timed at start-up.
+    from specloop.backends.gpu.triton_attention import TritonAttentionBackend
+
+    assert GpuPlatform(EngineConfig()).decode_tile is None
+    for tile in TritonAttentionBackend.DECODE_CONFIGS:
+        assert GpuPlatform(EngineConfig(plugin_options={"gpu": {"decode_tile": list(tile)}})).decode_tile == tile
+    for bad in ([16, 4, 2], 128, "128,4,2"):
+        with pytest.raises(ValueError, match="decode_tile.*must be one of"):
+            GpuPlatform(EngineConfig(plugin_options={"gpu": {"decode_tile": bad}}))
+    import runner_checks
+
+    runner = runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
+                                       plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})
+    assert runner.attn_backend.decode_config == (32, 4, 2)
+    runner.shutdown()
     assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows is None
     cpu = torch.device("cpu")
     assert platform.default_skinny_rows(model, cpu) == gemv.ROUTED_ROWS == 1

@@ -30,8 +30,11 @@ inside the attention kernel, one launch a layer fewer, ``kernels.paged_attention
 the H200 it made qwen3-0.6b's batch-1 decode 5% slower, batch 4 3% faster) and ``last_sums``
 (default off: a few-rows projection split along its inputs has its slices added by the last program
 of each column block to finish, counted by an atomic, instead of by a second kernel, and
-flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1).
-Any other key is refused.
+flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1)
+and ``decode_tile`` (the decode attention tile, one of ``TritonAttentionBackend.DECODE_CONFIGS`` as
+``[keys a tile, warps, stages]``; by default the fastest of them timed at start-up, which two
+engines of one process may choose differently: a benchmark comparing them gives both one). Any
+other key is refused.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows")
+               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(config.plugin_options.get("gpu", {}))
@@ -98,6 +101,14 @@ class GpuPlatform:
             raise ValueError("plugin_options['gpu']['skinny_rows'] sets the few-rows kernels' steps, which "
                              "skinny_gemv is off for")
         self.skinny_rows = rows
+        tile = opts.get("decode_tile")  # None: timed at start-up
+        if tile is not None:
+            tile = tuple(tile) if isinstance(tile, (list, tuple)) else tile
+            if tile not in TritonAttentionBackend.DECODE_CONFIGS:
+                raise ValueError(f"plugin_options['gpu']['decode_tile'] must be one of "
+                                 f"{', '.join(str(list(c)) for c in TritonAttentionBackend.DECODE_CONFIGS)} (keys a "
+                                 f"tile, warps, stages), got {opts['decode_tile']!r}")
+        self.decode_tile = tile
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -140,7 +151,10 @@ class GpuPlatform:
         backend, c = runner.attn_backend, runner.config
         # The latent (MLA) kernel keeps its fixed tile, and so does batch-invariant attention.
         tunable = runner.model_config.mla is None and not getattr(backend, "invariant", False)
-        if runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and tunable:
+        if isinstance(backend, TritonAttentionBackend) and self.decode_tile is not None:
+            backend.decode_config = self.decode_tile
+            logger.info("decode attention tile: %s (given)", backend.decode_config)
+        elif runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and tunable:
             max_len = (c.max_model_len or 2048) + c.num_lookahead_tokens + 1
             backend.tune_decode(runner.kv_caches[0], runner.model_config.num_heads, c.max_num_seqs,
                                 min(max_len, 1024))
