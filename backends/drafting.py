@@ -15,7 +15,6 @@ one a graph replays. Padded drafts count as drafts in the metrics.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,26 +29,7 @@ from specloop.proposers.policy import SpeculationPolicy, StepObservation
 from .batch import InputBatch
 from .parts import DeviceRows
 from .requests import PLACEHOLDER, CachedRequestState
-
-
-@dataclass(slots=True)
-class StepRecord:
-    """One step as the drafting stage sees it when it samples."""
-
-    propose: bool  # call the proposer after sampling
-    drafts: bool  # a step with drafts: it verifies some, or the policy wants some after it
-    started: float  # when it began sampling
-    length: int = 0  # the policy's speculation length for it (steps of one length are compared)
-    num_reqs: int = 0
-    fresh: bool = False  # every request in it is new: the engine may have waited for them before it
-    admits: bool = False  # it computes a new or resumed request's prompt
-    tokens: int | None = None  # tokens it commits, once sampled (on a sampling thread: later)
-    reported: bool = False  # its rate went to the policy
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether the next step may be planned before this one commits."""
-        return not (self.propose or self.drafts)
+from .step_rates import StepRates, StepRecord
 
 
 @dataclass(slots=True)
@@ -77,10 +57,7 @@ class DraftingStage:
         self.pad_drafts = False
         # Per request, the probabilities its pending drafts were sampled from (None: one-hot).
         self.draft_probs: dict[str, torch.Tensor | None] = {}
-        self._recent: deque[StepRecord] = deque(maxlen=6)  # the last steps, for the policy's rates
-        # Every step's record as well, when a caller keeps them (a benchmark's trace of what the
-        # policy chose and was told, at the cost of one append a step).
-        self.history: list[StepRecord] | None = None
+        self.rates = StepRates(policy)  # each step's record; steady steps' rates to the policy
         # Per request, its token ids as an array kept across steps (buffer, tokens valid in it):
         # a step appends its few new tokens instead of converting the whole list again.
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}
@@ -104,38 +81,15 @@ class DraftingStage:
     def begin_step(self, plan: SchedulerOutput) -> StepRecord:
         """Called as a step starts sampling: whether to propose after it (the policy's
         ``drafting``; always for a proposer that cannot skip steps). Reports the previous steps'
-        tokens per second to the policy (:meth:`_report_rates`)."""
+        tokens per second to the policy (``StepRates.add``)."""
         num_reqs = len(plan.num_scheduled_tokens)
         length = int(self.policy.drafting(list(plan.num_scheduled_tokens)))
         wanted, admitted = length > 0, len(plan.scheduled_new_reqs) + len(plan.scheduled_resumed_reqs)
         record = StepRecord(wanted or not self.proposer.catches_up,
                             wanted or any(plan.scheduled_spec_decode_tokens.values()), time.perf_counter(), length,
                             num_reqs, admitted >= num_reqs, admitted > 0)
-        self._recent.append(record)
-        if self.history is not None:
-            self.history.append(record)
-        self._report_rates()
+        self.rates.add(record)
         return record
-
-    def _report_rates(self) -> None:
-        """Each step whose tokens are known and whose next step began at its length: its tokens and
-        the wall time to that start, once, ``first`` after a step of another length. Not a step
-        that admits requests, nor one before such a step (its interval holds that forward): prefill
-        costs every length alike, but a length that finishes requests sooner admits in more steps
-        (EAGLE-3 at K = 3, batch 128: 2.6x dearer). Not the second step of a run (after a run with
-        drafts it is the first that overlaps the next, and its interval still holds the pipeline's
-        refill), nor a step followed by one of only new requests (the engine may have idled)."""
-        recent = self._recent
-        for i in range(3, len(recent)):  # (earlier, before, step, after) = recent[i - 3:i + 1]
-            step, after = recent[i - 1], recent[i]
-            if (step.reported or not step.tokens or step.admits or after.admits or step.length != after.length
-                    or after.fresh or after.started <= step.started):
-                continue
-            before = recent[i - 2]
-            if before.length != step.length or recent[i - 3].length == step.length:
-                step.reported = True
-                self.policy.observe_rate(step.length, step.num_reqs, step.tokens, after.started - step.started,
-                                         first=before.length != step.length)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

@@ -35,7 +35,8 @@ from specloop.sampling.structured_outputs import GrammarBitmask
 
 from . import kv_memory
 from .batch import HostBatchBuilder, InputBatch
-from .drafting import DraftingStage, StepRecord
+from .drafting import DraftingStage
+from .step_rates import StepRecord
 from .executor import EagerExecutor, ForwardOutput, GraphKey, Recorder
 from .parts import BatchBuilder, Executor, RunnerParts, Sampler  # noqa: F401 (re-exported)
 from .pending import DeviceClock, PendingOutput, provisional, read_later, rebase

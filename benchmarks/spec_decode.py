@@ -157,14 +157,14 @@ class Timer:
 
 class PolicyTrace:
     """What the speculation policy chose and measured, step by step, read from the drafting stage's
-    records (``DraftingStage.history``: nothing wraps the engine's calls, so tracing costs a timed
+    records (``StepRates.history``: nothing wraps the engine's calls, so tracing costs a timed
     run one list append a step): the length it ran at each step (run-length encoded, ``3x40 0x8
     ...``) and, per batch-size bucket and length, the steady step times it was told
     (``observe_rate``: median and mean ms per step, count)."""
 
     def __init__(self, drafter: Any) -> None:
         self.history: list[Any] = []
-        drafter.history = self.history
+        drafter.rates.history = self.history
 
     def reset(self) -> None:
         self.history.clear()
