@@ -295,6 +295,9 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
                                        plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})
     assert runner.attn_backend.decode_config == (32, 4, 2)
     runner.shutdown()
+    with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
+        runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
+                                  plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})
     assert GpuPlatform(EngineConfig(device="cuda")).skinny_rows is None
     cpu = torch.device("cpu")
     assert platform.default_skinny_rows(model, cpu) == gemv.ROUTED_ROWS == 1

@@ -33,8 +33,8 @@ of each column block to finish, counted by an atomic, instead of by a second ker
 flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1)
 and ``decode_tile`` (the decode attention tile, one of ``TritonAttentionBackend.DECODE_CONFIGS`` as
 ``[keys a tile, warps, stages]``; by default the fastest of them timed at start-up, which two
-engines of one process may choose differently: a benchmark comparing them gives both one). Any
-other key is refused.
+engines of one process may choose differently: a benchmark comparing them gives both one; refused
+for latent attention and in batch-invariant mode, which keep their own). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -151,7 +151,11 @@ class GpuPlatform:
         backend, c = runner.attn_backend, runner.config
         # The latent (MLA) kernel keeps its fixed tile, and so does batch-invariant attention.
         tunable = runner.model_config.mla is None and not getattr(backend, "invariant", False)
-        if isinstance(backend, TritonAttentionBackend) and self.decode_tile is not None:
+        if self.decode_tile is not None:
+            if not (isinstance(backend, TritonAttentionBackend) and tunable):
+                raise ValueError("plugin_options['gpu']['decode_tile'] sets the tile of the triton backend's paged "
+                                 "decode attention, which this engine does not tune (latent attention, "
+                                 "batch-invariant mode or another attention backend)")
             backend.decode_config = self.decode_tile
             logger.info("decode attention tile: %s (given)", backend.decode_config)
         elif runner.device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and tunable:
