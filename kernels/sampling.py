@@ -7,7 +7,8 @@ row maximum first). ``E = -log(U)`` uses the noise of the reference sampler and 
 sampler (``specloop.sampling.noise``): ``U`` hashes (request seed, sequence position of the
 sampled token, vocabulary id + 1), so a seeded request draws the same token here, in the torch
 sampler and as a bonus token after verification, whatever batch it shares. Rows with
-``temperature == 0`` take the plain argmax. Top-k / top-p are applied beforehand by masking logits
+``temperature == 0`` take the plain argmax. A NaN logit counts as ``+inf`` (as ``torch.argmax``,
+which returns the first NaN, for rows without an infinity), so every row gets a token in range. Top-k / top-p are applied beforehand by masking logits
 to ``-inf`` (see ``specloop.sampling.sampler.sample``).
 
 A row is split over several programs when the batch is small (a decode step of a few requests
@@ -64,6 +65,8 @@ def _gumbel_sample_kernel(
         idx = start + cols
         ok = idx < hi
         x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+        # NaN counts as +inf (no comparison holds for NaN: a NaN row would end at no index at all).
+        x = tl.where(x == x, x, float("inf"))
         if not greedy:
             score = tl.where(x >= threshold, x - tl.log(-tl.log(_uniform(key, idx + 1))), float("-inf"))
         else:

@@ -550,21 +550,24 @@ def check_gumbel_sample(device: str, vocab: int = 37, num_draws: int = 20000, ma
 
 def check_argmax_rows(device: str, dtype: torch.dtype) -> None:
     """The argmax of each row, ties to the lowest index, with the row whole or split over programs
-    (a row whose best lies in its last chunk, a tie across chunks, an all -inf row)."""
+    (a row whose best lies in its last chunk, a tie across chunks, an all -inf row, NaNs: the first
+    one, as torch)."""
     gen = torch.Generator().manual_seed(0)
     vocab = 1000
-    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits = torch.randn(7, vocab, generator=gen).to(dtype)
     logits[1, vocab - 1] = 10.0  # in the last chunk
     logits[2, 700] = logits[2, 100] = 10.0  # a tie across chunks: the lower index
     logits[3] = float("-inf")
     logits[4, 300] = logits[4, 301] = 10.0  # a tie inside a chunk
+    logits[5] = float("nan")
+    logits[6, 650] = logits[6, 900] = float("nan")
     logits = logits.to(device)
     want = logits.float().argmax(dim=-1).cpu()
-    assert want[2] == 100 and want[3] == 0 and want[4] == 300
+    assert want[2] == 100 and want[3] == 0 and want[4] == 300 and want[5] == 0 and want[6] == 650
     for chunks in (None, 1, 2, 8):
         got = argmax_rows(logits, chunks=chunks).cpu()
         assert torch.equal(got, want), f"chunks={chunks}: {got.tolist()} != {want.tolist()}"
-    out = torch.full((5,), -1, dtype=torch.int64, device=device)
+    out = torch.full((7,), -1, dtype=torch.int64, device=device)
     assert argmax_rows(logits[:, :512], out=out, chunks=4) is out
     assert torch.equal(out.cpu(), logits[:, :512].float().argmax(dim=-1).cpu())
 
