@@ -50,10 +50,14 @@ def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[
     torch.cuda.reset_peak_memory_stats(device)
     profile()
     torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    own_peak = peak - baseline
+    # The profile's transient memory (and an earlier engine's, freed) back to the device: cached,
+    # it would count as room but come in pieces that one layer's cache may not fit in.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     # Memory this process's allocator does not own belongs to other processes or the CUDA context.
     others = total - free - torch.cuda.memory_reserved(device)
-    own_peak = torch.cuda.max_memory_allocated(device) - baseline
-    # Free now, plus what the allocator caches without using, minus the profile's transient peak.
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    # Free on the device, less what the largest step needs beyond what stays allocated.
+    available = free - (peak - torch.cuda.memory_allocated(device))
     return int(min(total * config.gpu_memory_utilization - others - own_peak, available))
