@@ -11,6 +11,7 @@ model's KV comes out of the same budget.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -46,6 +47,7 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
 
 
 def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[], None], baseline: int) -> int:
+    gc.collect()  # an engine dropped in a reference cycle: its memory back before anything is measured
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     profile()
