@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests offline decode decode8b prefill gemv tune launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b prefill gemv tune launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -56,8 +56,12 @@ python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.
   | tee "$RES/versions.txt"
 for s in $stages; do
   case $s in
-    tests) stage gpu_tests "${T_TESTS:-300}" python3 -P -m pytest -v -m gpu -p no:cacheprovider --durations=15 -rfE \
-             --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py tests/test_gpu_speculation.py \
+    # The GPU tests in two stages (the whole of them does not fit one call): the backend's, ~450 s on
+    # the H200, then the speculation and rejection-sampling ones, ~150 s.
+    tests) stage gpu_tests "${T_TESTS:-500}" python3 -P -m pytest -v -m gpu -p no:cacheprovider --durations=15 -rfE \
+             --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_backend.py ;;
+    spectests) stage gpu_spec_tests "${T_SPEC_TESTS:-300}" python3 -P -m pytest -v -m gpu -p no:cacheprovider \
+             --durations=15 -rfE --tb=short -k "${GPU_TESTS_K:-}" tests/test_gpu_speculation.py \
              tests/test_rejection_sampler.py ;;
     offline) stage offline_throughput "${T_OFFLINE:-230}" python3 benchmarks/offline_throughput.py --out "$RES" \
              --ckpt-root "$CKPT" --peer-time-limit "${PEER_S:-40}" ${OFFLINE_ARGS:-} ;;
