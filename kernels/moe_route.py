@@ -40,7 +40,9 @@ def _moe_route_kernel(
     choice = score
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0)
-    choice = tl.where(ok, choice, float("-inf"))
+    # A NaN score (a padding row's garbage) ranks below every number, above the padding experts: the
+    # picks stay distinct experts that exist, whatever the row holds.
+    choice = tl.where(ok, tl.where(choice == choice, choice, -3.0e38), float("-inf"))
     if NUM_GROUPS > 1:
         g = tl.arange(0, GROUPS_PAD)
         member = (e[None, :] // (NUM_EXPERTS // NUM_GROUPS)) == g[:, None]  # [groups, experts]

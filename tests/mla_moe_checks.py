@@ -221,6 +221,7 @@ ROUTE_CASES = [
     moe_config(256, 8, 1, "sigmoid", "noaux_tc", 8, 4, True, 2.5),  # DeepSeek-V3
     moe_config(64, 6, 2, "softmax", "greedy", 1, 1, False, 1.0),  # DeepSeek-V2-Lite
     moe_config(16, 3, 0, "softmax", "group_limited_greedy", 4, 2, True, 1.0),  # DeepSeek-V2
+    moe_config(160, 6, 2, "softmax", "group_limited_greedy", 8, 3, False, 16.0),  # DeepSeek-V2's 160 experts
 ]
 
 
@@ -244,6 +245,16 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
             got = dict(zip(got_ids[t].tolist(), got_w[t].tolist()))
             assert want.keys() == got.keys(), (moe, t, sorted(want), sorted(got))
             assert all(abs(want[k] - got[k]) < 1e-5 for k in want), (moe, t, want, got)
+        # Rows of NaN logits (a padding row's garbage), whole or in part: distinct experts that exist.
+        logits[0], logits[1, ::3] = float("nan"), float("nan")
+        _, got_ids = moe_route_kernel(
+            to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+            num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
+            group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
+            scale=moe.routed_scaling_factor)
+        for t in (0, 1):
+            routed = got_ids[t, :moe.top_k].tolist()
+            assert len(set(routed)) == moe.top_k and all(0 <= i < moe.num_experts for i in routed), (moe, t, routed)
 
 
 CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe,

@@ -526,6 +526,33 @@ def check_controlled_launch_follows_alpha(device: str, alpha: float = 0.2) -> No
     assert m["spec_num_drafts"] > 30 and abs(first - alpha) < 0.15, (first, m["spec_num_drafts"])
 
 
+def check_half_precision_drafts(device: str) -> None:
+    """MTP (K = 3) in float16 through its graph paths (stand-ins on the graphs' buffers): the rows
+    that pad a catch-up feed, a proposal or a chain belong to no request and hold whatever their
+    buffers hold, NaN included, so the router and the argmax must still give experts and tokens that
+    exist (a NaN row once gave expert ids twice over and a token id of 2^31 - 1)."""
+    from pathlib import Path
+
+    from specloop import LLM, SamplingParams
+
+    path = str(Path(__file__).resolve().parent.parent / "default_models" / "specloop-tiny-mtp")
+    batch = [{"prompt_token_ids": p} for p in prompts(4, seed=9, min_len=8, max_len=40)]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        eager_captures(monkeypatch)
+        llm = LLM(path, model_runner="gpu", device=device, dtype="float16", skip_tokenizer_init=True,
+                  max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    try:
+        assert llm.core.runner.drafter.proposer.graphs_on
+        got = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        m = llm.get_metrics()
+    finally:
+        llm.core.shutdown()
+    vocab = llm.core.runner.model_config.vocab_size
+    assert all(len(o.outputs[0].token_ids) == 8 and all(0 <= t < vocab for t in o.outputs[0].token_ids)
+               for o in got), [o.outputs[0].token_ids for o in got]
+    assert m["spec_num_drafts"] > 0 and m["spec_num_accepted_tokens"] > 0, m
+
+
 def _recording(sample: Any, seen: list, at: dict | None = None) -> Any:
     """``sample`` that records the drafts of each step that verifies some (values only: a
     placeholder left here would fail the comparison), and in ``at`` by (request, first position)."""
@@ -547,7 +574,7 @@ def _main() -> None:
     ``runner_checks.py rope:VARIANT,...``: rotary and KV write inside decode attention (float16);
     ``runner_checks.py drafts[:NAME,...]``: the proposers' graph paths (eagle3, mtp, draft_model)
     and the acceptance-controlled proposer on the launched path (controlled), all of them or
-    those named."""
+    those named; ``runner_checks.py half_drafts``: MTP's graph paths in float16."""
     import sys
 
     if sys.argv[1].startswith("drafts"):  # drafts[:eagle3,mtp,draft_model,controlled]
@@ -558,6 +585,10 @@ def _main() -> None:
             else:
                 check_draft_graphs_match_eager("cpu", name)
         print("ok drafts")
+        return
+    if sys.argv[1] == "half_drafts":
+        check_half_precision_drafts("cpu")
+        print("ok half_drafts")
         return
     if sys.argv[1].startswith("few_rows:"):
         for variant in sys.argv[1].partition(":")[2].split(","):
