@@ -8,8 +8,9 @@ sampler (``specloop.sampling.noise``): ``U`` hashes (request seed, sequence posi
 sampled token, vocabulary id + 1), so a seeded request draws the same token here, in the torch
 sampler and as a bonus token after verification, whatever batch it shares. Rows with
 ``temperature == 0`` take the plain argmax. A NaN logit counts as ``+inf`` (as ``torch.argmax``,
-which returns the first NaN, for rows without an infinity), so every row gets a token in range. Top-k / top-p are applied beforehand by masking logits
-to ``-inf`` (see ``specloop.sampling.sampler.sample``).
+which returns the first NaN, for rows without an infinity), so every row gets a token in range.
+Top-k / top-p are applied beforehand by masking logits to ``-inf`` (see
+``specloop.sampling.sampler.sample``).
 
 A row is split over several programs when the batch is small (a decode step of a few requests
 would otherwise stream each vocabulary through one SM): each writes its chunk's best score and

@@ -234,12 +234,15 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
         logits = torch.randn(9, moe.num_experts) * 2
         bias = torch.randn(moe.num_experts) * 0.3 if moe.topk_method == "noaux_tc" else None
         want_w, want_ids = reference_route(logits, bias, moe)
-        to = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        got_w, got_ids = (t.cpu() for t in moe_route_kernel(
-            to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
-            num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
-            group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
-            scale=moe.routed_scaling_factor))
+        def route(logits: torch.Tensor, moe: MoEConfig = moe, bias: torch.Tensor | None = bias) -> list[torch.Tensor]:
+            to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+            return [t.cpu() for t in moe_route_kernel(
+                to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+                num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
+                group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
+                scale=moe.routed_scaling_factor)]
+
+        got_w, got_ids = route(logits)
         for t in range(logits.shape[0]):
             want = dict(zip(want_ids[t].tolist(), want_w[t].tolist()))
             got = dict(zip(got_ids[t].tolist(), got_w[t].tolist()))
@@ -247,11 +250,7 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
             assert all(abs(want[k] - got[k]) < 1e-5 for k in want), (moe, t, want, got)
         # Rows of NaN logits (a padding row's garbage), whole or in part: distinct experts that exist.
         logits[0], logits[1, ::3] = float("nan"), float("nan")
-        _, got_ids = moe_route_kernel(
-            to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
-            num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
-            group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
-            scale=moe.routed_scaling_factor)
+        _, got_ids = route(logits)
         for t in (0, 1):
             routed = got_ids[t, :moe.top_k].tolist()
             assert len(set(routed)) == moe.top_k and all(0 <= i < moe.num_experts for i in routed), (moe, t, routed)
