@@ -18,7 +18,8 @@ times the tiles of each of the two kernels (the other at its default), then the 
 ``--moe-tokens 1,2,4`` times steps of several tokens too (a verification of drafts at batch 1).
 ``--mla-shapes`` times one token of latent attention (DeepSeek's absorbed MLA, ``kernels/mla_attention.py``)
 over contexts of ``--mla-contexts`` tokens at each split count of the keys; ``--attention-shapes``
-does the same for paged (GQA) attention at one sequence, per split count and keys a tile.
+times paged (GQA) attention at ``--attention-batches`` sequences over ``--attention-contexts``
+mean contexts for each tile of ``--attention-sweep`` (keys a tile, warps, stages, splits).
 ``--pdl`` launches the kernels with programmatic dependent launch, as the GPU runner does on
 Hopper: a call's weights are asked of L2 while the call before it still runs.
 
@@ -172,34 +173,71 @@ def time_mla(shape: str, contexts: list[int], calls: int, replays: int) -> list[
     return rows
 
 
-def time_attention(shape: str, contexts: list[int], calls: int, replays: int,
-                   tiles: tuple[int, ...] = (16, 32, 64)) -> list[dict[str, Any]]:
-    """One decode token of ``shape``'s paged attention (one sequence) over each context, at every
-    split count and keys a tile (4 warps, 2 stages)."""
+GRAPH_MAX_LEN = 32768  # the longest context a decode graph is captured for, in time_attention's report
+
+
+def decode_batch(num_seqs: int, context: int, page: int, num_blocks: int, gen: torch.Generator,
+                 dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step of ``num_seqs`` sequences, one alone over exactly ``context`` tokens, several
+    over lengths drawn from ``[context / 2, 3 context / 2]``, in pages scattered over
+    ``num_blocks`` as a cache that has served a while holds them: (query start locations, sequence
+    lengths, block table)."""
+    lens = (torch.full((num_seqs,), context) if num_seqs == 1 else
+            torch.randint(max(1, context // 2), context * 3 // 2 + 1, (num_seqs,), generator=gen))
+    pages = -(-int(lens.max()) // page)
+    table = torch.randperm(num_blocks, generator=gen)[:num_seqs * pages].view(num_seqs, pages)
+    return (torch.arange(num_seqs + 1, dtype=torch.int32, device=dev), lens.to(torch.int32).to(dev),
+            table.to(torch.int32).to(dev))
+
+
+def time_attention(shape: str, contexts: list[int], calls: int, replays: int, batches: tuple[int, ...] = (1,),
+                   sweep: str = "16,32,64:4:2:1,2,4,8,16,32", rotate_mb: int = 256) -> list[dict[str, Any]]:
+    """One decode step of ``shape``'s paged attention (one layer) at each batch size and mean
+    context, for every tile of ``sweep`` (keys a tile : warps : stages : splits of the keys; a
+    split count past the keys is skipped), over enough copies of the cache (``rotate_mb``) that a
+    call reads its keys from memory, as each layer of a step does. A split count is timed whatever
+    the keys, as a CUDA graph runs it (its splits fixed when captured; the slices past the keys
+    end at once). Reported beside the best: what the runner's graph would run (the tile its
+    start-up timing keeps most often, 64 keys x 4 warps x 2 stages, at the split count of
+    ``choose_num_splits`` for a graph of contexts up to ``GRAPH_MAX_LEN``) and the bytes of keys
+    and values read."""
     s = SHAPES[shape]
     heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
     dev, dtype, page = torch.device("cuda"), torch.bfloat16, 16
+    gen = torch.Generator().manual_seed(0)
     rows = []
-    for context in contexts:
-        blocks, qsl, lens, table = one_sequence(context, page, dev)
-        k_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
-        v_cache = torch.randn(blocks, page, kv, d, dtype=dtype, device=dev)
-        q = torch.randn(1, heads, d, dtype=dtype, device=dev)
+    for num_seqs, context in itertools.product(batches, contexts):
+        need = num_seqs * -(-context * 3 // 2 // page) + 1
+        qsl, lens, table = decode_batch(num_seqs, context, page, need, gen, dev)
+        bytes_read = int(lens.sum()) * kv * d * 2 * 2
+        copies = max(1, -(-rotate_mb * 2 ** 20 // (need * page * kv * d * 2 * 2)))
+        caches = [torch.randn(2, need, page, kv, d, dtype=dtype, device=dev) for _ in range(copies)]
+        q = torch.randn(num_seqs, heads, d, dtype=dtype, device=dev)
+        rule = choose_num_splits(num_seqs, kv, GRAPH_MAX_LEN)
         times = {}
-        for block_n in tiles:
-            for splits in (1, 2, 4, 8, 16, 32):
-                if splits > -(-context // block_n):
-                    break
-                times[(block_n, splits)] = time_call(lambda i, n=splits, b=block_n: paged_attention(
-                    q, k_cache, v_cache, qsl, lens, table, scale=0.1, max_query_len=1, num_splits=n,
-                    decode_config=(b, 4, 2)), 1, calls, replays)
+        for block_n, warps, stages, splits in tiles_of(sweep) + [(64, 4, 2, rule)]:
+            if (block_n, warps, stages, splits) in times:
+                continue
+            try:
+                times[(block_n, warps, stages, splits)] = time_call(
+                    lambda i, n=splits, c=(block_n, warps, stages): paged_attention(
+                        q, caches[i][0], caches[i][1], qsl, lens, table, scale=0.1, max_query_len=1, num_splits=n,
+                        decode_config=c), copies, calls, replays)
+            except Exception as e:  # a tile the chip lacks registers or shared memory for
+                print(f"  tile {(block_n, warps, stages, splits)}: {type(e).__name__}", file=sys.stderr)
+        default = times[(64, 4, 2, rule)]
         best = min(times, key=times.get)
-        rule = choose_num_splits(1, kv, context, block_n=best[0])
-        print(f"| {shape} | attention decode, {context} tokens | " + " | ".join(
-            f"{b}x{n}: {t:.1f}" for (b, n), t in times.items()) + f" | best {best} (rule at its tile: {rule}) |",
-            flush=True)
-        rows.append(dict(shape=shape, layer="attention", context=context, best=list(best), rule_splits=rule,
-                         us={f"{b}x{n}": t for (b, n), t in times.items()}))
+        gbs = lambda us: bytes_read / us / 1e3  # noqa: E731
+        print(f"| {shape} | attention decode, batch {num_seqs}, {context} tokens | {bytes_read / 1e6:.1f} MB | "
+              f"default (64, 4, 2) x {rule}: {default:.1f} us ({gbs(default):.0f} GB/s) | best {best}: "
+              f"{times[best]:.1f} us ({gbs(times[best]):.0f} GB/s) | " + " ".join(
+                  f"{'x'.join(map(str, c))}:{t:.1f}" for c, t in sorted(times.items(), key=lambda x: x[1])[:8]) + " |",
+              flush=True)
+        rows.append(dict(shape=shape, layer="attention", batch=num_seqs, context=context, bytes=bytes_read,
+                         best=list(best), rule_splits=rule, default_us=default,
+                         us={"x".join(map(str, c)): t for c, t in times.items()}))
+        del caches
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -224,7 +262,10 @@ def main() -> None:
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")
     parser.add_argument("--attention-shapes", default="", help="shapes whose paged attention to time ('' for none)")
-    parser.add_argument("--attention-contexts", default="160,1024")
+    parser.add_argument("--attention-contexts", default="160,1024", help="mean contexts (one sequence: exact)")
+    parser.add_argument("--attention-batches", default="1", help="sequences a decode step, a list")
+    parser.add_argument("--attention-sweep", default="16,32,64:4:2:1,2,4,8,16,32",
+                        help="attention tiles: keys a tile : warps : stages : splits, each a list")
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch (Hopper), as the runner")
     parser.add_argument("--skip-linear", action="store_true", help="only the MoE and MLA timings")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
@@ -295,7 +336,9 @@ def main() -> None:
     for shape in filter(None, args.mla_shapes.split(",")):
         results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
     for shape in filter(None, args.attention_shapes.split(",")):
-        results += time_attention(shape, [int(c) for c in args.attention_contexts.split(",")], args.calls, args.replays)
+        results += time_attention(shape, [int(c) for c in args.attention_contexts.split(",")], args.calls, args.replays,
+                                  tuple(int(b) for b in args.attention_batches.split(",")), args.attention_sweep,
+                                  args.rotate_mb)
     with open(os.path.join(args.out, "gemv.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
 

@@ -151,6 +151,21 @@ def test_a_prompt_arriving_alone_runs_the_unsplit_prefill_kernel(monkeypatch) ->
 
 
 
+def test_dense_attention_splits_its_keys_until_the_chip_is_filled_four_times() -> None:
+    """A decode step of few sequences x KV heads splits its keys until the programs fill the chip
+    four times over (132 SMs), in slices of two tiles at least; a step of as many programs as
+    SMs runs unsplit."""
+    from specloop.kernels.paged_attention import choose_num_splits
+
+    assert choose_num_splits(16, 8, 32768) == 4  # 128 programs -> 512
+    assert choose_num_splits(8, 8, 32768) == 8
+    assert choose_num_splits(1, 8, 32768) == 32  # capped
+    assert choose_num_splits(1, 8, 640) == 4  # 640 keys: five slices of 128, a power of two below
+    assert choose_num_splits(16, 8, 256) == 1  # two slices' worth of keys at most
+    assert choose_num_splits(17, 8, 32768) == 1  # 136 programs: the chip is full
+    assert choose_num_splits(16, 8, 32768, fill=2) == 2
+
+
 def test_latent_attention_splits_its_keys_down_to_a_few_each() -> None:
     """An MLA decode step whose programs (sequences x head blocks) leave the chip idle splits its
     keys until the programs fill it twice or a split holds 16 keys; a full batch runs unsplit."""

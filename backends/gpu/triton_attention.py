@@ -171,4 +171,4 @@ def choose_latent_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sm
     (``benchmarks/gemv.py --mla-shapes``). So, when the programs leave the chip idle, the keys are
     split until the programs fill it twice over or a split holds 16 keys (dense attention stops at
     two 64-key tiles a split: more lost 4% at batch 4 on qwen3-0.6b)."""
-    return choose_num_splits(num_seqs, head_blocks(num_heads), max_seq_len, num_sms, min_keys=16)
+    return choose_num_splits(num_seqs, head_blocks(num_heads), max_seq_len, num_sms, min_keys=16, fill=2)
