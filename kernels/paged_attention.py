@@ -179,9 +179,12 @@ def _paged_attention_kernel(
         o_offs = token[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
-        # Partial results, laid out [token, q_head, split, ...] contiguous.
+        # Partial results, laid out [token, q_head, split, ...] contiguous. A split past the keys
+        # (a graph's split count is fixed for any context) stores only l = 0: its sums go unread.
+        # (Its rows masked as a vector: Triton's interpreter takes no scalar in a mask.)
         part = (token * NUM_Q_HEADS + q_head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc,
+                 mask=row_ok[:, None] & (rows < BLOCK_M * (tile_hi - tile_lo))[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
         if LAST_SUMS:  # (decode) the last split of the sequence's KV head to finish merges them all
@@ -200,7 +203,8 @@ def _paged_attention_kernel(
                     w = tl.where(l_s > 0.0, tl.math.exp2(m_s - m_max), 0.0)
                     denom += l_s * w
                     total += tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM_PAD + dims[None, :],
-                                     mask=row_ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
+                                     mask=(row_ok & (l_s > 0.0))[:, None], other=0.0,
+                                     cache_modifier=".cg") * w[:, None]
                 out = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
                 o_offs = token[:, None] * stride_ot + q_head[:, None] * stride_oh + dims[None, :]
                 tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -222,12 +226,13 @@ def _reduce_splits_kernel(
     part = (token * NUM_Q_HEADS + head) * NUM_SPLITS + splits
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
-    # Splits past the end of a short context saw no key: l = 0, m = -inf; they weigh nothing.
+    # Splits past the end of a short context saw no key: l = 0, m = -inf; they weigh nothing, and
+    # their sums (never stored) are not read.
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.where(l > 0.0, tl.math.exp2(m - m_max), 0.0)
     denom = tl.sum(l * w, 0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=(l > 0.0)[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)

@@ -7,6 +7,7 @@ first so an unwritten element fails the comparison. Not collected by pytest (no 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import mla_moe_checks
@@ -71,6 +72,7 @@ def _ragged_batch(q_lens: list[int], ctx_lens: list[int], num_q_heads: int, num_
 ATTENTION_CASES = [
     (4, 2, 32, 16, [1, 5, 1, 20], [40, 0, 70, 3], 1),  # decode + prefill + chunk after a prefix
     (4, 2, 32, 16, [1, 1, 1], [100, 7, 300], 4),  # flash-decoding, one split beyond a short context
+    (4, 2, 32, 16, [1, 1], [20, 150], 32),  # a graph's 32 splits over one tile or three: most split nothing
     (6, 2, 24, 8, [3, 1, 17], [10, 0, 33], 2),  # group of 3 (padded to 4), head_dim not a power of 2
     (2, 2, 16, 16, [70], [0], 1),  # one long prefill, several q-blocks
     (8, 1, 16, 4, [4, 4], [9, 0], 1),  # draft verification shape: 4 new tokens after a context
@@ -78,12 +80,31 @@ ATTENTION_CASES = [
 ]
 
 
+@contextlib.contextmanager
+def _nan_scratch():
+    """``torch.empty`` of floating point returns NaNs meanwhile: a kernel that reads scratch it did
+    not write (the partial sums of a split past the keys) returns NaN instead of what the
+    allocator happened to hold."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
 def check_paged_attention(device: str, dtype: torch.dtype, cases: list | None = None) -> None:
     for nq, nkv, d, ps, q_lens, ctx, splits in cases or ATTENTION_CASES:
         q, kc, vc, qsl, seq_lens, bt = _ragged_batch(q_lens, ctx, nq, nkv, d, ps, device, dtype)
         out = torch.full_like(q, float("nan"))
-        paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=max(q_lens),
-                        num_splits=splits, out=out)
+        with _nan_scratch():
+            paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=max(q_lens),
+                            num_splits=splits, out=out)
         ref = reference_attention(q, kc, vc, qsl, seq_lens, bt, d ** -0.5)
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"attention case {nq, nkv, d, ps, q_lens, ctx, splits}: rel err {err:.2e}"
@@ -92,8 +113,9 @@ def check_paged_attention(device: str, dtype: torch.dtype, cases: list | None = 
 
             last_sums.set_enabled(True)
             try:
-                merged = paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=1,
-                                         num_splits=splits)
+                with _nan_scratch():
+                    merged = paged_attention(q, kc, vc, qsl, seq_lens, bt, scale=d ** -0.5, max_query_len=1,
+                                             num_splits=splits)
             finally:
                 last_sums.set_enabled(False)
             assert rel_err(merged, ref) < TOL[dtype], f"attention merged by its last split: {rel_err(merged, ref):.2e}"
