@@ -193,8 +193,8 @@ def decode_batch(num_seqs: int, context: int, page: int, num_blocks: int, gen: t
 def time_attention(shape: str, contexts: list[int], calls: int, replays: int, batches: tuple[int, ...] = (1,),
                    sweep: str = "16,32,64:4:2:1,2,4,8,16,32", rotate_mb: int = 256) -> list[dict[str, Any]]:
     """One decode step of ``shape``'s paged attention (one layer) at each batch size and mean
-    context, for every tile of ``sweep`` (keys a tile : warps : stages : splits of the keys; a
-    split count past the keys is skipped), over enough copies of the cache (``rotate_mb``) that a
+    context, for every tile of ``sweep`` (keys a tile : warps : stages : splits of the keys),
+    over enough copies of the cache (``rotate_mb``) that a
     call reads its keys from memory, as each layer of a step does. A split count is timed whatever
     the keys, as a CUDA graph runs it (its splits fixed when captured; the slices past the keys
     end at once). Reported beside the best: what the runner's graph would run (the tile its
