@@ -1,5 +1,6 @@
-"""``specloop`` command line: builds the parser for ``serve``, ``generate`` and ``plugins`` and
-dispatches to the server's launcher or the frontend's terminal streaming.
+"""``specloop`` command line: builds the parser for ``serve``, ``generate``, ``token-map`` and
+``plugins`` and dispatches to the server's launcher, the frontend's terminal streaming or the
+token-map counter.
 
 Imports stay lazy so ``specloop --help`` never loads torch.
 """
@@ -96,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_args(gen)
 
+    token_map = sub.add_parser("token-map", help="count a draft vocabulary (speculative_config's token_map) "
+                               "from local text")
+    token_map.add_argument("text", nargs="+", help="text files, or directories of them, to count tokens in")
+    token_map.add_argument("--model", dest="model_path", default=None,
+                           help="local Hugging Face model directory whose tokenizer counts (default: the embedded "
+                                "default model)")
+    token_map.add_argument("--size", type=_positive(int), default=32768, help="most frequent tokens kept "
+                           "(default 32768), plus the model's EOS ids")
+    token_map.add_argument("--out", required=True, help="the JSON file to write")
+
     plugins = sub.add_parser("plugins", help="list every registered component by kind")
     plugins.add_argument("--disable-plugin", action="append", default=[], dest="disable_plugins")
     return parser
@@ -105,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "plugins":
         return _cmd_plugins(args)
+    if args.command == "token-map":
+        from specloop.frontend.token_map import run_token_map
+
+        return run_token_map(args)
     if os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
         # torchrun started this process as a tensor-parallel rank > 0: it serves rank 0's engine.
         from specloop.backends.distributed import run_torchrun_worker

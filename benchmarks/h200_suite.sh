@@ -122,10 +122,11 @@ for s in $stages; do
              --batch "${PHASES_BATCH:-32}" --methods "${SPEC_METHODS:-ngram,eagle3}" ${PHASES_ARGS:-} ;;
     breakdown) stage step_breakdown "${T_BREAKDOWN:-60}" python3 benchmarks/step_breakdown.py --out "$RES" \
              --ckpt-root "$CKPT" ${BREAKDOWN_ARGS:-} ;;
-    mtp) stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
-             ${MTP_ARGS:-} ;;
+    mtp) stage ds_mtp_cost "${T_DS_MTP:-180}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
+             ${MTP_ARGS:---token-map 32768} ;;
     deepseek)  # DeepSeek-V2-Lite shape with one MTP layer: KV bytes and MTP cost, decode, offline vs transformers
-      stage ds_mtp_cost "${T_DS_MTP:-150}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT"
+      stage ds_mtp_cost "${T_DS_MTP:-180}" python3 benchmarks/mtp_cost.py --out "$RES/deepseek" --ckpt-root "$CKPT" \
+             ${MTP_ARGS:---token-map 32768}
       stage ds_decode "${T_DS_DECODE:-150}" python3 benchmarks/decode_latency.py --out "$RES/deepseek" \
              --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1,16,64,256 ${DECODE_ARGS:-}
       stage ds_offline "${T_DS_OFFLINE:-300}" python3 benchmarks/offline_throughput.py --out "$RES/deepseek" \

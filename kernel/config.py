@@ -17,11 +17,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     draft_dtype: str | None = None
+    token_map: str | None = None  # a file of the token ids mtp / eagle may draft (proposers.draft_vocab)
     policy: str = "fixed"  # how many drafts each request gets per step (a registered speculation policy)
-    # Resolved by the model runner from its proposer: it builds a cache from the target's hidden state
-    # at every position, so a prefix-cache hit must leave its last block to be recomputed (the
-    # proposer's entry for the hit's last position needs the hidden state the target only produces by
-    # computing that position, and the token after it, this request's).
+    # Resolved by the model runner from its proposer: it builds a cache from the target's hidden state at
+    # every position, so a prefix-cache hit must leave its last block to be recomputed (the proposer's entry
+    # for the hit's last position needs the state of that position and the token after it, this request's).
     reads_target_hidden_states: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

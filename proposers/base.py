@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from specloop.models.parallel import TensorParallel
 
 
+# The speculative_config keys a method may or may not read (``Proposer.config_fields``).
+OPTIONAL_FIELDS = ("model", "prompt_lookup_min", "prompt_lookup_max", "draft_dtype", "token_map", "extra")
+
+
 @dataclass(frozen=True, slots=True)
 class ProposerContext:
     """What a proposer may use of the engine it drafts for. Built once by the model runner."""
@@ -238,11 +242,21 @@ class Proposer(ABC):
     # them (inside the target's CUDA graphs too), so a proposer whose cache is built from them can
     # skip steps and catch up later from what it recorded (``catches_up``).
     records_hidden_states: bool = False
+    # The ``speculative_config`` fields it reads besides ``method``, ``num_speculative_tokens`` and
+    # ``policy``: any other one set is refused when it is built, naming the field. None (the
+    # default) checks nothing: a plugin that reads ``extra`` refuses what it does not know itself.
+    config_fields: frozenset[str] | None = None
 
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         spec = config.speculative_config
         if spec is None or isinstance(spec, (dict, str)):
             raise ValueError("a proposer needs a resolved speculative_config")
+        if self.config_fields is not None:
+            unused = [name for name in OPTIONAL_FIELDS if getattr(spec, name) and name not in self.config_fields]
+            if unused:
+                reads = ", ".join(sorted(self.config_fields)) or "none of the optional keys"
+                raise ValueError(f"speculative_config.{unused[0]} does not apply to method {spec.method!r} "
+                                 f"(it reads: {reads})")
         self.config = config
         self.context = context
         self.num_speculative_tokens = spec.num_speculative_tokens

@@ -16,17 +16,20 @@ tells what the target will choose; its id goes to ``diverged``, which a benchmar
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Iterable
 
 import numpy as np
 import torch
 
-from specloop.kernel.config import EngineConfig, SpeculativeConfig
+from specloop.kernel.config import EngineConfig
 
 from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
 
 
 class ControlledProposer(Proposer):
+    config_fields = None  # the wrapped method's, checked when it is built
+
     def __init__(self, config: EngineConfig, context: ProposerContext | None = None) -> None:
         super().__init__(config, context)
         spec = config.speculative_config
@@ -41,10 +44,8 @@ class ControlledProposer(Proposer):
         options = config.plugin_options.get("controlled", {})
         self.continuations: dict[tuple[int, ...], list[int]] = dict(options.get("continuations", {}))
         inner = copy.copy(config)
-        inner.speculative_config = SpeculativeConfig(method=wraps, num_speculative_tokens=spec.num_speculative_tokens,
-                                                     model=spec.model, prompt_lookup_min=spec.prompt_lookup_min,
-                                                     prompt_lookup_max=spec.prompt_lookup_max,
-                                                     draft_dtype=spec.draft_dtype, extra=extra)
+        # Every other key is the wrapped method's (which refuses what it does not read).
+        inner.speculative_config = dataclasses.replace(spec, method=wraps, extra=extra)
         if context is None or context.proposers is None:
             raise ValueError("speculative_config.method='controlled' needs the engine's proposer registry")
         self.inner: Proposer = context.proposers.create(wraps, config=inner, context=context)

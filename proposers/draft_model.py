@@ -58,6 +58,7 @@ from .step_graphs import graphs_wanted, verification_shapes, warm_up_eager
 class DraftModelProposer(Proposer):
     """``speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``;
     ``draft_dtype`` overrides the target's dtype for the draft."""
+    config_fields = frozenset({"model", "draft_dtype"})
 
     FEED_ROWS = (1, 2)  # tokens per request a steady step's first draft step feeds
     catches_up = True  # a proposal feeds every token its cache lacks (_valid_prefix)

@@ -46,6 +46,7 @@ from specloop.models.context import ForwardContext
 from specloop.models.loader import resolve_dtype
 
 from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .draft_vocab import DraftHead
 from .draw import draw, plain_greedy
 from .heads import Eagle3Head, load_head
 from .recorded import Recorded
@@ -57,6 +58,7 @@ from .step_graphs import StepGraphs, feed_token_ids, graphs_wanted, last_pool, u
 
 class EagleProposer(Proposer):
     """EAGLE-1 (``"eagle"``); :class:`Eagle3Proposer` is EAGLE-3."""
+    config_fields = frozenset({"model", "draft_dtype", "token_map"})
 
     version = 1
     needs_hidden_states = True
@@ -70,14 +72,13 @@ class EagleProposer(Proposer):
         if not spec.model:
             raise ValueError(f"speculative_config.method={spec.method!r} needs 'model' (a local head checkpoint path)")
         self.device = context.device
-        self.target_dtype = context.dtype
         self.dtype = resolve_dtype(spec.draft_dtype, context.device) if spec.draft_dtype else context.dtype
         self.head, self.head_config, layers = load_head(spec.model, self.version, context, self.dtype)
         # The forward taps each layer once, in layer order; the head's fc reads them in its own order.
         self.hidden_state_layers = tuple(sorted(set(layers)))
         self.aux_order = [self.hidden_state_layers.index(i) for i in layers]
         self.embed_tokens = context.embed_tokens
-        self.target_logits = context.lm_head
+        self.target_head = DraftHead(context, spec.token_map)  # EAGLE-1 drafts through the target's head
         self.attn_backend = context.attention_backend()
         self.ops = context.ops
         self.block_size = context.block_size
@@ -280,16 +281,17 @@ class EagleProposer(Proposer):
         """Target-vocabulary ids of the head's greedy next tokens."""
         if isinstance(self.head, Eagle3Head):
             return self.head.argmax(out, self.ops)
-        return self.ops.argmax(self.target_logits(out.to(self.target_dtype)))
+        return self.target_head.argmax(out, self.ops)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if isinstance(self.head, Eagle3Head):
             return self.head.logits(out, self.ops)
-        return self.target_logits(out.to(self.target_dtype)).float()
+        return self.target_head.logits(out)
 
 
 class Eagle3Proposer(EagleProposer):
     """EAGLE-3 (``"eagle3"``): reads the residual streams entering three target layers."""
 
+    config_fields = frozenset({"model", "draft_dtype"})  # its head has a vocabulary of its own (d2t)
     version = 3
 

@@ -116,6 +116,7 @@ def load_medusa(path: str, target_hidden: int, target_vocab: int, device: torch.
 
 
 class MedusaProposer(Proposer):
+    config_fields = frozenset({"model"})
     needs_hidden_states = True
     # Stateless: a proposal reads only the newest token's hidden state, so the runner may skip the
     # call in steps that draft nothing (and those steps overlap the next).

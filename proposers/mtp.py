@@ -46,6 +46,7 @@ from specloop.models.deepseek_mtp import DeepSeekMTP
 from specloop.models.loader import build_empty, iter_safetensors, resolve_dtype, safetensors_files
 
 from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
+from .draft_vocab import DraftHead
 from .draw import draw, plain_greedy
 from .chain_graphs import (ChainGraphs, ProposalGraphs, capture_feeds, greedy_drafts, greedy_graphed, launchable,
                            take_drafts)
@@ -58,6 +59,7 @@ MTP_MODULES = {"DeepseekV3ForCausalLM": DeepSeekMTP, "DeepseekV2ForCausalLM": De
 
 
 class MTPProposer(Proposer):
+    config_fields = frozenset({"model", "draft_dtype", "token_map"})
     needs_hidden_states = True
     catches_up = True
     records_hidden_states = True
@@ -77,7 +79,7 @@ class MTPProposer(Proposer):
                              "(num_nextn_predict_layers is 0)")
         if (cfg.hidden_size, cfg.vocab_size) != (context.model_config.hidden_size, context.vocab_size):
             raise ValueError(f"the MTP layers of {path} do not fit the target (hidden size, vocabulary)")
-        self.device, self.target_dtype = context.device, context.dtype
+        self.device = context.device
         self.dtype = resolve_dtype(spec.draft_dtype, context.device) if spec.draft_dtype else context.dtype
         self.model = build_empty(lambda: module(hf_config=cfg.hf), self.device, self.dtype)
         first = cfg.num_layers
@@ -91,7 +93,7 @@ class MTPProposer(Proposer):
         self.num_layers = cfg.num_mtp_layers
         self.cache_config = dataclasses.replace(cfg, num_layers=cfg.num_mtp_layers)  # shapes the layers' caches
         self.embed_tokens = context.embed_tokens
-        self.lm_head = context.lm_head
+        self.head = DraftHead(context, spec.token_map)  # the target's head, or a token map's rows of it
         self.attn_backend = context.attention_backend()
         self.ops = context.ops
         self.block_size = context.block_size
@@ -182,7 +184,7 @@ class MTPProposer(Proposer):
         return self._argmax(out, 0)
 
     def _argmax(self, out: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.ops.argmax(self.lm_head(self.model.logits_input(out, self.ops, layer).to(self.target_dtype)))
+        return self.head.argmax(self.model.logits_input(out, self.ops, layer), self.ops)
 
     def propose(self, inputs: ProposerInputs) -> DraftProposal:
         limits = np.where(inputs.num_sampled > 0, draft_limits(self.config, inputs, self.num_speculative_tokens), 0)
@@ -222,7 +224,7 @@ class MTPProposer(Proposer):
                     hidden = self._run_draft(inputs, live, step, [drafts[i][-1] for i in live],
                                              hidden[torch.tensor(keep, device=self.device)])
                 norm_input = self.model.logits_input(hidden, self.ops, step % self.num_layers)
-                logits = self.lm_head(norm_input.to(self.target_dtype)).float()
+                logits = self.head.logits(norm_input)
                 tokens, q = draw(inputs, live, logits, drafts)
                 for k, i in enumerate(live):
                     drafts[i].append(tokens[k])

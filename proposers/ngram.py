@@ -111,6 +111,7 @@ def find_ngram_continuations(token_ids: Sequence[np.ndarray], min_n: int, max_n:
 class NgramProposer(Proposer):
     """``speculative_config={"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_min": m, "prompt_lookup_max": M}``. Needs nothing from the target model."""
+    config_fields = frozenset({"prompt_lookup_min", "prompt_lookup_max"})
 
     catches_up = True  # stateless
     launches = True

@@ -136,11 +136,15 @@ def test_greedy_is_identical_and_drafts_are_accepted(plain_outputs, k: int, meth
     assert m["spec_acceptance_rate"] > {1: 0.5, 2: 0.4, 3: 0.3}[k]  # 0.78 / 0.67 / 0.53 measured
 
 
-def predicted_counts(reference: ReferenceMTP, sequence: list[int], prompt_len: int, max_tokens: int
-                     ) -> tuple[int, int]:
+def predicted_counts(reference: ReferenceMTP, sequence: list[int], prompt_len: int, max_tokens: int,
+                     token_map: torch.Tensor | None = None) -> tuple[int, int]:
     """(drafts, accepted) of a K = 1 greedy run ending in ``sequence``: after every step that leaves
-    room, the layer at the newest verified position L - 2 drafts its argmax for token L."""
-    pred = reference.logits(sequence).argmax(-1).tolist()  # pred[p] is the draft for token p + 2
+    room, the layer at the newest verified position L - 2 drafts its argmax for token L (over the
+    token map's ids, with one)."""
+    logits = reference.logits(sequence)
+    if token_map is not None:
+        logits = torch.full_like(logits, float("-inf")).index_copy_(1, token_map, logits[:, token_map])
+    pred = logits.argmax(-1).tolist()  # pred[p] is the draft for token p + 2
     length, drafts, accepted = prompt_len + 1, 0, 0
     while length - prompt_len < max_tokens:
         if max_tokens - (length - prompt_len) - 1 >= 1:
@@ -152,50 +156,77 @@ def predicted_counts(reference: ReferenceMTP, sequence: list[int], prompt_len: i
     return drafts, accepted
 
 
+def half_the_vocabulary(tmp_path: Path) -> tuple[str, torch.Tensor]:
+    """A token map of a random half of the vocabulary (a saved tensor, unsorted, one id twice)."""
+    ids = torch.randperm(8192, generator=torch.Generator().manual_seed(3))[:4096]
+    path = str(tmp_path / "half.pt")
+    torch.save(torch.cat([ids, ids[:1]]), path)
+    return path, ids.sort().values
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["whole vocabulary", "token map"])
 def test_k1_counts_and_logits_equal_what_the_reference_predicts(reference: ReferenceMTP, plain_outputs,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                mapped: bool) -> None:
     """Chunked prefill and prefix hits at a block boundary (no preemption: a preempted request's
     pending draft is dropped, which the prediction does not model). Every draft's logits must be
     the reference's at that position of the final sequence, so a stale row anywhere in the layer's
-    cache (a rejected draft, a shared prefix block) fails even where it does not flip a draft."""
+    cache (a rejected draft, a shared prefix block) fails even where it does not flip a draft. With
+    a token map, the drafts are the reference's argmax over the map's tokens, and every logit
+    outside it is -inf."""
     drafted: list[tuple[list[int], torch.Tensor]] = []  # (verified tokens, draft logits)
     propose = MTPProposer.propose
 
     def recording_propose(self: MTPProposer, inputs: Any) -> Any:
-        head, rows = self.lm_head, []
-        self.lm_head = lambda h: rows.append(head(h)) or rows[-1]
+        logits, rows = self.head.logits, []
+        self.head.logits = lambda h: rows.append(logits(h)) or rows[-1]
         try:
             proposal = propose(self, inputs)
         finally:
-            self.lm_head = head
+            del self.head.logits
         live = [i for i, d in enumerate(proposal.draft_token_ids) if d]
         drafted.extend((inputs.token_ids[i].tolist(), rows[0][k]) for k, i in enumerate(live))
         return proposal
 
     monkeypatch.setattr(MTPProposer, "propose", recording_propose)
+    path, token_map = half_the_vocabulary(tmp_path) if mapped else (None, None)
     prompts = token_prompts()
-    llm = LLM(MTP, skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    llm = LLM(MTP, skip_tokenizer_init=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "token_map": path},
               max_model_len=192, block_size=4, max_num_batched_tokens=24, max_num_seqs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.get_metrics()["prefix_cache_hits"] > 0
     finals = [p + list(want) for p, want in zip(prompts, plain_outputs)]
     for prompt, out, final in zip(prompts, outs, finals):
         assert prompt + list(out.outputs[0].token_ids) == final
-        drafts, accepted = predicted_counts(reference, final, len(prompt), GREEDY.max_tokens)
+        drafts, accepted = predicted_counts(reference, final, len(prompt), GREEDY.max_tokens, token_map)
         assert (out.metrics.spec_num_draft_tokens, out.metrics.spec_num_accepted_tokens) == (drafts, accepted)
     references = [reference.logits(f) for f in finals]
+    outside = torch.zeros(8192, dtype=torch.bool)
+    if mapped:
+        outside[:] = True
+        outside[token_map] = False
     for tokens, logits in drafted:
         k = next(j for j, f in enumerate(finals) if f[:len(tokens)] == tokens)
-        torch.testing.assert_close(logits.float(), references[k][len(tokens) - 2], atol=1e-3, rtol=0)
+        torch.testing.assert_close(logits.float()[~outside], references[k][len(tokens) - 2][~outside], atol=1e-3,
+                                   rtol=0)
+        assert bool(torch.isneginf(logits[outside]).all())
     assert len(drafted) == sum(o.metrics.spec_num_draft_tokens for o in outs)
+    if mapped:  # the map's misses cost drafts: fewer accepted than over the whole vocabulary
+        whole = sum(predicted_counts(reference, f, len(p), GREEDY.max_tokens)[1] for p, f in zip(prompts, finals))
+        assert sum(o.metrics.spec_num_accepted_tokens for o in outs) < whole
 
 
-def test_sampled_output_follows_the_target_distribution(reference: ReferenceMTP) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["whole vocabulary", "token map"])
+def test_sampled_output_follows_the_target_distribution(reference: ReferenceMTP, tmp_path: Path, mapped: bool) -> None:
     """Token 2 of every request comes out of verifying an MTP draft sampled at temperature 1; among
-    the requests whose token 1 is the most frequent one, its distribution must be the target's."""
+    the requests whose token 1 is the most frequent one, its distribution must be the target's,
+    also when the drafts come from half the vocabulary only (a token map)."""
     prompt = token_prompts()[0]
     n = 1500
-    llm = LLM(MTP, skip_tokenizer_init=True, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    path = half_the_vocabulary(tmp_path)[0] if mapped else None
+    llm = LLM(MTP, skip_tokenizer_init=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "token_map": path},
               max_model_len=64, max_num_seqs=256)
     outs = llm.generate([{"prompt_token_ids": prompt}] * n,
                         [SamplingParams(temperature=1.0, max_tokens=3, seed=i, ignore_eos=True) for i in range(n)],

@@ -295,6 +295,15 @@ def test_cli_speculative_config_reaches_the_engine_config() -> None:
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 2}, "method"),
     ("{not json", "not valid JSON"),
+    # A key the method does not read is refused, not ignored.
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/models/draft"},
+     r"speculative_config.model does not apply to method 'ngram' \(it reads: prompt_lookup_max, prompt_lookup_min\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_dtype": "float16"}, "draft_dtype does not apply"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max does not"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "token_map": "ids.json"}, "token_map does not apply"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "extra": {"alpha": 0.5}}, "extra does not apply"),
+    ({"method": "controlled", "num_speculative_tokens": 2, "extra": {"wraps": "ngram", "beta": 1}},
+     "extra does not apply to method 'ngram'"),
 ])
 def test_invalid_speculative_configs_are_clear_errors(target, spec, message: str) -> None:
     with pytest.raises(ValueError, match=message):
