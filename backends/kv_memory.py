@@ -22,8 +22,14 @@ CPU_KV_CACHE_BYTES = 512 << 20
 
 
 def allocated(device: torch.device) -> int:
-    """Bytes this process's allocator holds on ``device`` now (0 off CUDA)."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    """Bytes this process's allocator holds on ``device`` now (0 off CUDA), garbage collected first:
+    an engine dropped in a reference cycle (a proposer's graphs hold their closures) is not held,
+    and counted here it would make the next engine's own memory look that much smaller (its budget
+    then takes what its proposer's graphs need after the cache is allocated)."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    return torch.cuda.memory_allocated(device)
 
 
 def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: int, block_size: int,
