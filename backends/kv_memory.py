@@ -3,7 +3,8 @@
 ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes; else on CUDA what
 ``gpu_memory_utilization`` of the device leaves after this engine's own memory (weights, a draft
 model, persistent buffers and the peak of a profiled largest step, counted from what the process
-held before the engine was built) and what other processes hold, and never more than is free; else a
+held before the engine was built) and what other processes hold, and never more than is free less
+twice the largest step's transient memory (room for the graphs captured after the cache); else a
 CPU default of 512 MiB, capped at what ``max_num_seqs`` full-length sequences need. One block's
 bytes count the target's layers plus those of a proposer that keeps its own cache, so a draft
 model's KV comes out of the same budget.
@@ -66,6 +67,10 @@ def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[
     free, total = torch.cuda.mem_get_info(device)
     # Memory this process's allocator does not own belongs to other processes or the CUDA context.
     others = total - free - torch.cuda.memory_reserved(device)
-    # Free on the device, less what the largest step needs beyond what stays allocated.
-    available = free - (peak - torch.cuda.memory_allocated(device))
+    # Free on the device, less what the largest step needs beyond what stays allocated, twice: once
+    # for the steps, once for what is allocated after the cache (the CUDA graphs' pools, a proposer's
+    # graphs). The first bound leaves room for those too, but it counts an earlier engine of this
+    # process as room, and then this one is what binds.
+    transient = peak - torch.cuda.memory_allocated(device)
+    available = free - 2 * transient
     return int(min(total * config.gpu_memory_utilization - others - own_peak, available))

@@ -108,6 +108,22 @@ def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device,
     }, got, draft_times
 
 
+def profile_steps(spec: Any, prompt: list[int], steps: int, device: torch.device, path: str) -> None:
+    """``steps`` speculative steps under torch.profiler: the kernels by device time (printed, and to
+    ``path``), the proposer's calls ('mtp.launch', 'mtp.propose') beside the target's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step_times(spec, prompt, steps, device)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
+                                      row_limit=40)
+    print(table)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     base_args(parser)
@@ -184,19 +200,9 @@ def main() -> None:
                                                         min(len(got), len(want)))}
         report("MTP step cost, batch 1", result)
         results.append((result, got, draft_times))
+        if args.profile:
+            profile_steps(spec, prompt, args.profile, device, os.path.join(args.out, f"mtp_profile_{ids}.txt"))
     result, got, draft_times = results[0]
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            step_times(spec, prompt, args.profile, device)
-        table = prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
-                                          row_limit=40)
-        print(table)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mtp_profile.txt"), "w") as f:
-            f.write(table)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times,
                                 "token_map": [{"result": r, "draft_steps_s": d} for r, _, d in results[1:]]})

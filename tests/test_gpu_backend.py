@@ -214,6 +214,7 @@ def test_mtp_keeps_greedy_output_on_the_gpu_runner(dtype: str, tmp_path) -> None
             assert proposer.chain.num_replays > 0, "MTP draft steps did not replay CUDA graphs"
             assert sum(g.num_replays for g in proposer.feed_graphs.values()) > 0, \
                 "the MTP layer's first step did not replay CUDA graphs"
+            del proposer  # (it holds the engine's graphs and caches)
         llm.core.shutdown()
         del llm
         torch.cuda.empty_cache()
