@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--token-map", type=int, default=0, metavar="N",
                         help="also time MTP with a token map of N ids (speculative_config's token_map: the draft "
                         "step reads N rows of the head, not the whole vocabulary's)")
+    parser.add_argument("--rounds", type=int, default=1, help="with --token-map: engines without and with it, "
+                        "in turn, this many times each")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timed runs, profile this many speculative steps (torch.profiler): the "
                         "kernels by device time, and the proposer's calls ('mtp.propose') beside the target's")
@@ -179,7 +181,10 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     results, spec = [], None
-    for ids in [0] + ([args.token_map] if args.token_map else []):
+    # With a token map the two engines take turns (``--rounds``): a later engine of one process
+    # can run slower, and a single pair would measure the order.
+    order = [0, args.token_map] * args.rounds if args.token_map else [0]
+    for ids in order:
         if spec is not None:
             spec.core.shutdown()
             del spec
@@ -203,9 +208,17 @@ def main() -> None:
         if args.profile:
             profile_steps(spec, prompt, args.profile, device, os.path.join(args.out, f"mtp_profile_{ids}.txt"))
     result, got, draft_times = results[0]
+    if args.token_map:
+        summary = {}
+        for ids in (0, args.token_map):
+            runs = [r for (r, _, _), i in zip(results, order) if i == ids]
+            summary[f"token map {ids or 'none'}: MTP / target step, each run"] = [round(r["MTP / target step"], 4)
+                                                                                 for r in runs]
+        report("MTP step cost with and without the token map", summary)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times,
-                                "token_map": [{"result": r, "draft_steps_s": d} for r, _, d in results[1:]]})
+                                "runs": [{"token_map": i, "result": r, "draft_steps_s": d}
+                                         for (r, _, d), i in zip(results, order)]})
     spec.core.shutdown()
     # In half precision a one-token decode step and a two-token verification run different kernels
     # (the few-rows ones take one row), and random weights put near-ties everywhere: the sequences
