@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from specloop.plugins.options import options_of
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.outputs import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
@@ -50,7 +51,7 @@ class ScriptedModelRunner:
     async_scheduling = False  # every plan is committed before the next is scheduled
 
     def __init__(self, config: EngineConfig, plugins: Any = None) -> None:
-        opts = dict(config.plugin_options.get("scripted", {}))
+        opts = dict(options_of(config, "scripted", ("vocab_size", "model_max_len", "draft_accuracy")))
         self.config = config
         self.vocab_size = int(opts.get("vocab_size", 1000))
         self.model_max_len = int(opts.get("model_max_len", 4096))

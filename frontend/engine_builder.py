@@ -11,6 +11,7 @@ from typing import Any, Callable
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.engine_core import EngineCore
 from specloop.kernel.plugins import PluginManager
+from specloop.plugins.options import check_namespaces
 
 from .input_processor import InputProcessor
 from .model_path import resolve_model
@@ -72,6 +73,7 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
         raise ValueError("data_parallel_size > 1 runs several engines behind a router: use `specloop serve "
                          "--data-parallel-size N` or frontend.data_parallel.DataParallelEngine")
     plugins = plugins or PluginManager(disable=config.disable_plugins)
+    check_namespaces(config, plugins)
     if config.model is not None or _runner_requires_model(config, plugins):
         config.model = resolve_model(config.model)
     tokenizer: Tokenizer | None = None

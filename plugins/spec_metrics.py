@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+from specloop.plugins.options import options_of
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.outputs import SpecDecodingStats
 
@@ -63,8 +64,8 @@ def get_spec_metrics(engine: Any) -> SpecDecodeMetrics | None:
 
 @hookimpl
 def specloop_startup(engine: Any) -> None:
+    options = options_of(engine.config, PLUGIN_NAME, ("log_interval_s",))
     if engine.config.speculative_config is None:
         return
-    options = engine.config.plugin_options.get(PLUGIN_NAME, {})
     metrics = SpecDecodeMetrics(float(options.get("log_interval_s", 10.0)))
     engine.plugins.pm.register(metrics, name=f"{PLUGIN_NAME}-{id(engine):x}")

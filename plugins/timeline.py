@@ -26,6 +26,7 @@ import os
 import time
 from typing import IO, Any
 
+from specloop.plugins.options import options_of
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.outputs import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from specloop.kernel.request import Request
@@ -142,8 +143,8 @@ class Timeline:
 
 
 def timeline_path(config: Any) -> str | None:
-    options = config.plugin_options.get(PLUGIN_NAME)
-    if isinstance(options, dict) and options.get("path"):
+    options = options_of(config, PLUGIN_NAME, ("path",))
+    if options.get("path"):
         return str(options["path"])
     return os.environ.get(TRACE_FILE_ENV) or None
 

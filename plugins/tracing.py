@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specloop.plugins.options import options_of
 from specloop.kernel.hookspecs import hookimpl
 from specloop.kernel.outputs import EngineCoreOutputs, SchedulerOutput
 from specloop.kernel.request import Request
@@ -53,6 +54,7 @@ def tracing_options(config: Any) -> dict[str, Any] | None:
     if isinstance(value, bool):
         return {} if value else None
     if isinstance(value, dict):
+        options_of(config, PLUGIN_NAME, ("enabled", "steps"))
         return value if value.get("enabled", True) else None
     raise ValueError(f"plugin_options['{PLUGIN_NAME}'] must be a bool or a dict of options, got {value!r}")
 

@@ -22,6 +22,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from specloop.plugins.options import options_of
 from specloop.kernel.config import EngineConfig
 
 from .base import DraftProposal, LaunchInputs, Proposer, ProposerContext, ProposerInputs, draft_limits
@@ -41,7 +42,7 @@ class ControlledProposer(Proposer):
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"speculative_config.alpha must be in [0, 1], got {self.alpha}")
         self.seed = int(extra.pop("seed", 0))
-        options = config.plugin_options.get("controlled", {})
+        options = options_of(config, "controlled", ("continuations",))
         self.continuations: dict[tuple[int, ...], list[int]] = dict(options.get("continuations", {}))
         inner = copy.copy(config)
         # Every other key is the wrapped method's (which refuses what it does not read).

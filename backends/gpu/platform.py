@@ -51,6 +51,7 @@ from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
+from specloop.plugins.options import options_of
 
 from ..distributed import TensorParallelRunner, launch_model_runner
 from ..executor import EagerExecutor
@@ -73,11 +74,7 @@ class GpuPlatform:
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile")
 
     def __init__(self, config: EngineConfig) -> None:
-        opts = dict(config.plugin_options.get("gpu", {}))
-        unknown = sorted(set(opts) - set(self.OPTIONS))
-        if unknown:
-            raise ValueError(f"plugin_options['gpu'] has unknown option(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(self.OPTIONS)}")
+        opts = dict(options_of(config, "gpu", self.OPTIONS))
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
         self.device_proposals = bool(opts.get("device_proposals", True))
