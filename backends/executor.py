@@ -35,6 +35,7 @@ class GraphKey:
     size: int
     num_splits: int
     tokens: int = 0
+    long: bool = False  # a decode graph's long-context variant (more splits)
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class EagerExecutor:
         self.record = record  # a proposer's ``record``, called inside every forward
         self.kv_caches: list[torch.Tensor] = []
 
-    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
+    def graph_for(self, plan: SchedulerOutput, max_context: Callable[[], int] | None = None) -> GraphKey | None:
         return None
 
     def context(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor] | None = None) -> ForwardContext:

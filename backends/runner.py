@@ -252,7 +252,9 @@ class ModelRunner:
         """The step's inputs, padded for the CUDA graph that will run it, if one will. A request
         whose last verification is still unread was planned as if it accepted every draft: the
         device pulls it back by the drafts it rejected (``lagged``)."""
-        key = self.parts.executor.graph_for(plan)
+        reqs = self.requests
+        key = self.parts.executor.graph_for(plan, lambda: max(reqs[rid].num_computed_tokens + n
+                                                              for rid, n in plan.num_scheduled_tokens.items()))
         lagging = self._lagging
         lagged = ([i for i, rid in enumerate(plan.num_scheduled_tokens) if rid in lagging and lagging[rid] is None]
                   if lagging else [])

@@ -32,7 +32,7 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
-             ("skinny_rows", args.skinny_rows))
+             ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--last-sums", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's last_sums option (a split projection's slices added by its last "
                         "program, not a second kernel; off by default)")
+    parser.add_argument("--long-context-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's long_context_graphs option (decode graphs with more splits, replayed "
+                        "over long contexts; off by default)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -72,10 +72,12 @@ class _BodyReplay:
             self.run()
 
 
-def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False) -> Any:
+def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False, long_splits: int = 0) -> Any:
     """Give a gpu runner on the CPU the target's graph executor (``backends.gpu.graphs``) with
     eager stand-ins for its ragged graphs, so that every step small enough replays one, and with
-    ``decode`` for its decode graphs (``q = 1``, drawing each row's token); returns the executor."""
+    ``decode`` for its decode graphs (``q = 1``, drawing each row's token); with ``long_splits``
+    also their long-context variants, of that many splits, replayed over any context; returns the
+    executor."""
     from specloop.backends.gpu.graphs import GraphExecutor
 
     eager, batch, mc = runner.parts.executor, runner.parts.builder, runner.model_config
@@ -85,5 +87,8 @@ def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False) 
     executor.graphs = {(0, t): _BodyReplay(executor._body(0, size, t)) for t in executor.ragged}
     if decode:
         executor.graphs.update({(1, s): _BodyReplay(executor._body(1, s)) for s in executor.sizes})
+    if long_splits:
+        executor.long, executor.LONG_SPLIT_KEYS = dict.fromkeys(executor.sizes, long_splits), 0
+        executor.graphs.update({(-1, s): _BodyReplay(executor._body(1, s, long=True)) for s in executor.sizes})
     runner.parts.executor = executor
     return executor

@@ -188,16 +188,18 @@ def check_launch_options(device: str, variant: str, options: tuple[str, ...] = (
 def check_decode_graph_draws(device: str) -> None:
     """Decode graphs that draw each row's token (eager stand-ins on the CPU): a greedy, a seeded and
     a seeded min-p request decode the torch runner's tokens; the first two take the graph's draws,
-    the min-p one draws again outside it, over the graph's write into its token row."""
+    the min-p one draws again outside it, over the graph's write into its token row. On the CPU
+    also through the graphs' long-context variants (16 splits over contexts of ~20 keys: most of
+    them empty)."""
     model = tiny("qwen3")
     params = [GREEDY, SamplingParams(temperature=0.9, seed=11, max_tokens=100), SEEDED]
     outs = {}
-    for name in ("torch", "gpu"):
-        runner = make_runner(model.path, name, device, "float32")
+    for name in ("torch", "gpu", "gpu-long") if device == "cpu" else ("torch", "gpu"):
+        runner = make_runner(model.path, name.split("-")[0], device, "float32")
         executor = None
-        if name == "gpu":  # on the CPU, eager stand-ins for the graphs
-            executor = eager_target_graphs(runner, ragged=False, decode=True) if device == "cpu" else \
-                runner.parts.executor
+        if name != "torch":  # on the CPU, eager stand-ins for the graphs
+            executor = eager_target_graphs(runner, ragged=False, decode=True, long_splits=16 * (name == "gpu-long")) \
+                if device == "cpu" else runner.parts.executor
         plans = Plans(runner, 4, 64)
         for rid, p, sp in zip("abc", prompts(3, seed=4, min_len=5, max_len=9), params):
             plans.add(rid, p, sp)
@@ -210,7 +212,8 @@ def check_decode_graph_draws(device: str) -> None:
         if executor is not None:
             assert runner.parts.sampler.num_presampled == 5, runner.parts.sampler.num_presampled
             assert executor.num_replays - executor.num_ragged_replays == 8, executor.num_replays
-    assert outs["gpu"] == outs["torch"], outs
+            assert executor.num_long_replays == 8 * (name == "gpu-long"), executor.num_long_replays
+    assert all(out == outs["torch"] for out in outs.values()), outs
 
 
 def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:

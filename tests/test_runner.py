@@ -382,6 +382,43 @@ def test_target_graphs_are_chosen_by_shape() -> None:
         assert graphs.max_tokens == (512 if ragged else 24)
 
 
+def test_long_context_decode_graphs_split_more_and_replay_over_long_contexts() -> None:
+    """The gpu runner's ``long_context_graphs`` option: the decode graphs of sizes whose sequences
+    fill the chip alone (one split) get a variant with more splits, replayed when the step's
+    longest context gives each split two 64-key tiles (qwen3-0.6b's 8 KV heads, 132 SMs)."""
+    import functools
+
+    from specloop.backends.executor import GraphKey
+    from specloop.backends.gpu.graphs import GraphExecutor
+    from specloop.backends.gpu.persistent_batch import PersistentBatch
+    from specloop.backends.gpu.triton_attention import TritonAttentionBackend
+    from specloop.kernel.outputs import SchedulerOutput
+
+    backend, mc = TritonAttentionBackend(), SimpleNamespace(num_kv_heads=8, mla=None)
+    backend.num_sms = 132
+    batch = PersistentBatch(max_reqs=96, max_len=2048, block_size=16, max_tokens=512, device=torch.device("cpu"))
+    eager = SimpleNamespace(model=torch.nn.Linear(2, 2), aux_layers=())
+    short = functools.partial(backend.decode_splits, mc)
+    assert [short(s, 2048) for s in (1, 16, 32, 96)] == [16, 4, 1, 1]
+    off = GraphExecutor(eager, batch, [1, 2], 16, 32, short)  # type: ignore[arg-type]
+    assert off.long_variants() == {}
+    graphs = GraphExecutor(eager, batch, [1, 2], 16, 32, short,  # type: ignore[arg-type]
+                           long_splits=functools.partial(backend.long_decode_splits, mc))
+    assert graphs.sizes == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96]
+    assert graphs.long_variants() == {32: 8, 48: 4, 64: 4, 80: 4}  # 96: 2 splits, not worth a graph
+    graphs.long = graphs.long_variants()
+    graphs.graphs = {(q, s): None for q in (1, 2) for s in graphs.sizes}
+    graphs.splits = dict.fromkeys(graphs.graphs, 1)
+    plan = SchedulerOutput(0, [], [], [], {f"r{i}": 1 for i in range(20)}, 20)
+    assert graphs.graph_for(plan, lambda: 1023) == GraphKey(1, 32, 1)
+    assert graphs.graph_for(plan, lambda: 1024) == GraphKey(1, 32, 8, long=True)
+    assert graphs.graph_for(plan) == GraphKey(1, 32, 1)  # no context given: the graph of the size
+    verify = SchedulerOutput(0, [], [], [], {f"r{i}": 2 for i in range(20)}, 40)
+    assert graphs.graph_for(verify, lambda: 4096) == GraphKey(2, 32, 1)  # decode graphs only
+    small = SchedulerOutput(0, [], [], [], {f"r{i}": 1 for i in range(9)}, 9)
+    assert graphs.graph_for(small, lambda: 4096) == GraphKey(1, 16, 1)  # 16 splits itself
+
+
 def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gpu runner's ``pdl`` option: explicit True/False, or (default) on for a model whose every
     projection fits the bytes a kernel may prefetch, on a device that has it; never on a CPU."""

@@ -59,14 +59,20 @@ class GraphExecutor:
 
     replays_uniform_batches = True
     LOGIT_ROWS = 64  # verification graphs of up to this many tokens compute their logits (at least)
+    # A decode graph's long-context variant (``long_splits``, :meth:`long_variants`): where it splits
+    # 4 ways or more, replayed (graph_for) when each split gets 128 keys of the longest context.
+    LONG_MIN_SPLITS, LONG_SPLIT_KEYS = 4, 128
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
                  vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True,
-                 sample_in_graph: bool = False) -> None:
+                 sample_in_graph: bool = False, long_splits: Callable[[int], int] | None = None) -> None:
         self.eager = eager
         self.batch = batch
         self.q_lens = q_lens
         self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
+        # (requests) -> the splits of a second decode graph, replayed over long contexts only
+        self.long_splits = long_splits
+        self.long: dict[int, int] = {}  # padded requests -> its long-context decode graph's splits
         self.sizes = graph_sizes(batch.max_reqs)
         # Ragged token counts: no more than the step holds, nor than the request rows' contexts
         # (the capture spreads its tokens over them).
@@ -89,6 +95,7 @@ class GraphExecutor:
         self.splits: dict[tuple[int, int], int] = {}
         self.num_replays = 0
         self.num_ragged_replays = 0
+        self.num_long_replays = 0
 
     # The eager executor's interface, shared.
     @property
@@ -115,6 +122,8 @@ class GraphExecutor:
         for q in self.q_lens:
             bodies += [((q, s), lambda q=q, s=s: self._body(q, s)) for s in sorted(self.sizes, reverse=True)
                        if s * q <= self.max_tokens]
+        self.long = self.long_variants()
+        bodies += [((-1, s), lambda s=s: self._body(1, s, long=True)) for s in sorted(self.long, reverse=True)]
         for key, body in bodies:
             graph = torch.cuda.CUDAGraph()
             run = body()
@@ -129,9 +138,18 @@ class GraphExecutor:
         logger.info("captured %d CUDA graphs (q in %s, up to %d requests; ragged up to %d tokens)", len(self.graphs),
                     self.q_lens, max(self.sizes), max(self.ragged, default=0))
 
-    def _body(self, q: int, size: int, ragged_tokens: int = 0) -> Callable[[], None]:
+    def long_variants(self) -> dict[int, int]:
+        """The padded request counts whose decode graph gets a long-context variant, and its
+        splits: where the size's own graph runs one split (its sequences alone fill the chip) and
+        ``long_splits`` gives at least ``LONG_MIN_SPLITS``."""
+        if self.long_splits is None or 1 not in self.q_lens:
+            return {}
+        long = {s: self.long_splits(s) for s in self.sizes if self.choose_splits(s, self.batch.max_len) == 1}
+        return {s: n for s, n in long.items() if n >= self.LONG_MIN_SPLITS}
+
+    def _body(self, q: int, size: int, ragged_tokens: int = 0, long: bool = False) -> Callable[[], None]:
         """The forward of ``size`` request rows of ``q`` tokens, or with ``q = 0`` of
-        ``ragged_tokens`` tokens spread over them."""
+        ``ragged_tokens`` tokens spread over them; ``long``: a decode graph's long-context variant."""
         pb, eager = self.batch, self.eager
         if q:
             tokens, per, query_len = size * q, q, q
@@ -146,8 +164,8 @@ class GraphExecutor:
         pb.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
         pb.block_tables[:size].zero_()
         pb.slot_mapping[:tokens].fill_(-1)
-        splits = self.choose_splits(size, pb.max_len) if q else 1
-        self.splits[(q, size if q else ragged_tokens)] = splits
+        splits = self.long[size] if long else self.choose_splits(size, pb.max_len) if q else 1
+        self.splits[(-1 if long else q, size if q else ragged_tokens)] = splits
         meta = GpuAttentionMetadata(
             query_start_loc=pb.query_start_loc[:size + 1], seq_lens=pb.seq_lens[:size],
             slot_mapping=pb.slot_mapping[:tokens], block_tables=pb.block_tables[:size],
@@ -179,9 +197,10 @@ class GraphExecutor:
         """Whether the uniform graph of ``size`` requests of ``q`` tokens computes their logits."""
         return q > 0 and self.logits is not None and q * size <= self.logits.shape[0]
 
-    def graph_for(self, plan: SchedulerOutput) -> GraphKey | None:
-        """The graph for this plan: the uniform one of its q and size, else the ragged one of its
-        token count; None when it has none (too large)."""
+    def graph_for(self, plan: SchedulerOutput, max_context: Callable[[], int] | None = None) -> GraphKey | None:
+        """The graph for this plan: the uniform one of its q and size (a decode step whose longest
+        context, ``max_context()``, gives each split of the size's long-context variant two tiles:
+        that variant), else the ragged one of its token count; None when it has none (too large)."""
         counts = plan.num_scheduled_tokens
         if not counts:
             return None
@@ -190,7 +209,11 @@ class GraphExecutor:
         if q in self.q_lens and total == q * len(counts) and all(n == q for n in counts.values()):
             i = bisect.bisect_left(self.sizes, len(counts))
             if i < len(self.sizes) and (q, self.sizes[i]) in self.graphs:
-                return GraphKey(q, self.sizes[i], self.splits[(q, self.sizes[i])])
+                size = self.sizes[i]
+                long = self.long.get(size, 0) if q == 1 else 0
+                if long and max_context is not None and max_context() >= long * self.LONG_SPLIT_KEYS:
+                    return GraphKey(1, size, long, long=True)
+                return GraphKey(q, size, self.splits[(q, size)])
         i = bisect.bisect_left(self.ragged, total)
         if i == len(self.ragged) or len(counts) > max(self.sizes) or (0, self.ragged[i]) not in self.graphs:
             return None
@@ -199,9 +222,10 @@ class GraphExecutor:
     def run(self, batch: InputBatch, key: GraphKey | None = None) -> ForwardOutput:
         if key is None:
             return self.eager.run(batch)
-        self.graphs[(key.q, key.size if key.q else key.tokens)].replay()
+        self.graphs[(-1 if key.long else key.q, key.size if key.q else key.tokens)].replay()
         self.num_replays += 1
         self.num_ragged_replays += not key.q
+        self.num_long_replays += key.long
         n = batch.num_tokens
         with_logits = self._with_logits(key.q, key.size)
         logits = self.logits[:n] if with_logits else None

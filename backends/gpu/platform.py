@@ -34,7 +34,10 @@ flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5%
 and ``decode_tile`` (the decode attention tile, one of ``TritonAttentionBackend.DECODE_CONFIGS`` as
 ``[keys a tile, warps, stages]``; by default the fastest of them timed at start-up, which two
 engines of one process may choose differently: a benchmark comparing them gives both one; refused
-for latent attention and in batch-invariant mode, which keep their own). Any other key is refused.
+for latent attention and in batch-invariant mode, which keep their own) and ``long_context_graphs``
+(default off, not yet measured end to end: a second decode graph for each batch size whose split
+count leaves the chip short of programs, with more splits, replayed when the longest context gives
+each split two tiles, ``backends.gpu.graphs``; dense attention only). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -71,12 +74,14 @@ class GpuPlatform:
     default_attention_backend = "triton"
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
-               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile")
+               "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
+               "long_context_graphs")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
         self.fused = bool(opts.get("fused", True))
         self.cuda_graphs = bool(opts.get("cuda_graphs", not config.enforce_eager))
+        self.long_context_graphs = bool(opts.get("long_context_graphs", False))
         self.device_proposals = bool(opts.get("device_proposals", True))
         self.graph_sampling = bool(opts.get("graph_sampling", True))
         self.late_verification = bool(opts.get("late_verification", True))
@@ -139,7 +144,9 @@ class GpuPlatform:
             ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc), ragged=ragged,
-                                     sample_in_graph=self.graph_sampling and runner.tp.size == 1)
+                                     sample_in_graph=self.graph_sampling and runner.tp.size == 1,
+                                     long_splits=functools.partial(backend.long_decode_splits, mc)
+                                     if self.long_context_graphs else None)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            device_rows=batch if self.device_proposals else None)
