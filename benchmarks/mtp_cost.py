@@ -10,7 +10,9 @@ random MTP layer (``common.SHAPES["deepseek-v2-lite"]``).
   plus one draft), whether the runner launched it from the device (``Proposer.launch``: one graph
   replay) or called ``propose``. Ratio = median draft step / median target decode step. Random weights
   accept few drafts, which does not change a step's cost; greedy outputs must be identical in
-  float32 (in bf16 the sequences may part at a near-tie: reported, not an error).
+  float32 (in bf16 the sequences may part at a near-tie: reported, not an error). ``--token-map N``
+  also times MTP with a token map of N ids (``speculative_config["token_map"]``: the draft step
+  reads N rows of the head), the engines without and with it in turn, ``--rounds`` times each.
 
     python benchmarks/mtp_cost.py --out out/bench            # H200
     python benchmarks/mtp_cost.py --smoke                     # CPU, the tiny DeepSeek shape
