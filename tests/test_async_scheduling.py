@@ -71,8 +71,10 @@ def test_speculation_under_async_scheduling_overlaps_the_steps_without_drafts(me
     plain = LLM(**ENGINE)
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS * 2, greedy * 2, use_tqdm=False)]
     plain.core.shutdown()
-    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    if method != "ngram":
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    else:
         spec["model"] = default_model_dir("specloop-tiny-draft" if method == "draft_model" else "specloop-tiny-eagle3")
     llm = LLM(async_scheduling=True, speculative_config=spec, **ENGINE)
     try:
