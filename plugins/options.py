@@ -25,7 +25,7 @@ def check_namespaces(config: Any, plugins: Any) -> None:
     """Each key of ``config.plugin_options`` names a component some registry holds, or a plugin
     (the last dotted part of its registered name: ``tracing`` for ``specloop.plugins.tracing``)."""
     known = {e.name for entries in plugins.list_components().values() for e in entries}
-    known |= {name.rsplit(".", 1)[-1] for name, _ in plugins.pm.list_name_plugin() if name}
+    known |= {name.rsplit(".", 1)[-1] for name, plugin in plugins.pm.list_name_plugin() if plugin is not None}
     unknown = sorted(set(config.plugin_options) - known)
     if unknown:
         raise ValueError(f"plugin_options has key(s) {', '.join(map(repr, unknown))} that name no registered "

@@ -17,6 +17,9 @@ SCRIPTED = dict(model_runner="scripted", num_kv_blocks=64, max_model_len=256, sk
 def test_a_key_that_names_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="plugin_options has key\\(s\\) 'gpuu' that name no registered component"):
         LLM(plugin_options={"gpuu": {"skinny_gemv": False}}, **SCRIPTED)
+    # nor one of a plugin turned off
+    with pytest.raises(ValueError, match="key\\(s\\) 'tracing' that name no registered"):
+        LLM(plugin_options={"tracing": True}, disable_plugins=("specloop.plugins.tracing",), **SCRIPTED)
 
 
 def test_components_and_plugins_name_their_options() -> None:
