@@ -69,11 +69,6 @@ class DraftHead:
         self.ids = ids.to(head.weight.device)
         self.weight = head.weight.detach().index_select(0, self.ids).contiguous()
 
-    @property
-    def size(self) -> int:
-        """Tokens it can draft."""
-        return self.vocab_size if self.ids is None else self.ids.numel()
-
     def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.matmul(hidden.to(self.dtype), self.weight)
 
