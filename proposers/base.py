@@ -252,7 +252,8 @@ class Proposer(ABC):
         if spec is None or isinstance(spec, (dict, str)):
             raise ValueError("a proposer needs a resolved speculative_config")
         if self.config_fields is not None:
-            unused = [name for name in OPTIONAL_FIELDS if getattr(spec, name) and name not in self.config_fields]
+            unused = [name for name in OPTIONAL_FIELDS if name not in self.config_fields
+                      and (spec.extra if name == "extra" else getattr(spec, name) is not None)]
             if unused:
                 reads = ", ".join(sorted(self.config_fields)) or "none of the optional keys"
                 raise ValueError(f"speculative_config.{unused[0]} does not apply to method {spec.method!r} "
