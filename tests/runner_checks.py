@@ -13,6 +13,8 @@ Shared by ``test_triton_kernels.py`` (CPU, in a child process under ``TRITON_INT
 
 from __future__ import annotations
 
+import json
+import tempfile
 from typing import Any
 
 import pytest
@@ -374,8 +376,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     computed on the device: the same drafts, step by step, as the proposer's eager path, and the
     same output as without drafts. Drafting runs in runs (a scripted policy): after the steps
     without drafts EAGLE-3 and MTP are skipped, then catch up from the states the target's forward
-    recorded. EAGLE-3 runs while requests come and go, with a preemption and a
-    sampled request, and again in mode ``async``: ``graphs`` with asynchronous scheduling, its
+    recorded. EAGLE-1 (``eagle+map``) drafts from a token map of every other id. EAGLE-3 runs while
+    requests come and go, with a preemption and a sampled request, and again in mode ``async``: ``graphs`` with asynchronous scheduling, its
     launched verifications read a step late, the next step planned as if every draft were accepted
     and pulled back on the device by the rejected ones."""
     from pathlib import Path
@@ -390,9 +392,13 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     elif method == "draft_model":
         path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
                                                    "model": str(root / "specloop-tiny-draft")}
-    else:
-        path, spec = str(root / "specloop-tiny"), {"method": method, "num_speculative_tokens": 3,
-                                                   "model": str(root / f"specloop-tiny-{method}")}
+    else:  # eagle+map: EAGLE-1 drafting from a token map (a copy of those rows of the target's head)
+        name = method.split("+")[0]
+        path, spec = str(root / "specloop-tiny"), {"method": name, "num_speculative_tokens": 3,
+                                                   "model": str(root / f"specloop-tiny-{name}")}
+        if method.endswith("+map"):
+            spec["token_map"] = str(Path(tempfile.mkdtemp()) / "map.json")
+            Path(spec["token_map"]).write_text(json.dumps(list(range(0, 8192, 2))))  # every other id
     if method == "eagle3":
         # Requests come and go: two run at a time out of four, in a KV pool small enough to preempt,
         # and one samples (its steps verify on the reference path, which needs the placeholders'
@@ -406,7 +412,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine, modes, greedy = dict(max_num_seqs=4), MODES if read_late else MODES[:3], 3
     outs, drafts, replays, preempted, accepted, at = {}, {}, {}, 0, {}, {}
+    proposed: list[int] = []  # every draft the proposer made, in any mode
     for mode in modes:
+        proposals: list = []
         with pytest.MonkeyPatch.context() as monkeypatch:
             captured = eager_captures(monkeypatch) if mode in ("graphs", "async") else []
             llm = LLM(path, model_runner="gpu", device=device, dtype="float32", skip_tokenizer_init=True,
@@ -429,11 +437,16 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 launched = []
                 launch = prop.launch
                 prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
+                propose = prop.propose
+                prop.propose = lambda inputs: proposals.append(propose(inputs)) or proposals[-1]
                 late = []
                 read_later = runner._read_later
                 runner._read_later = lambda *a: late.append(1) or read_later(*a)
             got = llm.generate(batch, params, use_tqdm=False)
             outs[mode] = [o.outputs[0].token_ids for o in got]
+            if mode != "none":
+                proposed += [t for d in launched if d is not None for t in d.flatten().tolist()]
+                proposed += [t for p in proposals for d in p.draft_token_ids for t in d]
             if mode != "none":
                 drafts[mode] = seen
                 accepted[mode] = llm.get_metrics()["spec_num_accepted_tokens"]
@@ -460,6 +473,8 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     assert all(outs[m][:greedy] == outs["none"][:greedy] and outs[m] == outs["eager"] for m in modes[1:]), outs
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
     assert all(drafts[m] == drafts["eager"] for m in ("graphs",)) and len(drafts["eager"]) > 5, (method, drafts)
+    if method.endswith("+map"):  # the proposer's drafts (not the padding of a step's) from the map's even ids
+        assert proposed and all(t % 2 == 0 for t in proposed), proposed
     if "async" in modes:
         # Planned earlier, the asynchronous run groups requests into steps differently, and its
         # policy alternates over other steps: the drafts verified at the same request and position
@@ -575,14 +590,14 @@ def _main() -> None:
     ``runner_checks.py launch:NAME,...``: proposals launched from the device (ngram, medusa);
     ``runner_checks.py few_rows:VARIANT,...``: the few-rows kernels decoding (float16);
     ``runner_checks.py rope:VARIANT,...``: rotary and KV write inside decode attention (float16);
-    ``runner_checks.py drafts[:NAME,...]``: the proposers' graph paths (eagle3, mtp, draft_model)
-    and the acceptance-controlled proposer on the launched path (controlled), all of them or
+    ``runner_checks.py drafts[:NAME,...]``: the proposers' graph paths (eagle3, mtp, draft_model,
+    eagle+map: EAGLE-1 with a token map) and the acceptance-controlled proposer on the launched path (controlled), all of them or
     those named; ``runner_checks.py half_drafts``: MTP's graph paths in float16."""
     import sys
 
-    if sys.argv[1].startswith("drafts"):  # drafts[:eagle3,mtp,draft_model,controlled]
+    if sys.argv[1].startswith("drafts"):  # drafts[:eagle3,eagle+map,mtp,draft_model,controlled]
         _, _, which = sys.argv[1].partition(":")
-        for name in (which or "eagle3,mtp,draft_model,controlled").split(","):
+        for name in (which or "eagle3,eagle+map,mtp,draft_model,controlled").split(","):
             if name == "controlled":
                 check_controlled_launch_follows_alpha("cpu")
             else:

@@ -88,13 +88,13 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
 
 
 def test_draft_graph_paths_under_interpreter() -> None:
-    # EAGLE-3, MTP and draft-model graph paths (run eagerly on their static buffers) drafting what
+    # EAGLE-3, EAGLE-1 with a token map, MTP and draft-model graph paths (run eagerly on their static buffers) drafting what
     # their eager paths draft, their proposals launched from the device with their drafts read a
     # step late (EAGLE-3 through admissions, a preemption and a sampled request; with
     # asynchronous scheduling the verification itself read a step late), and the
     # acceptance-controlled proposer wrapping EAGLE-3 on that path accepting at alpha; MTP's graph
     # paths in float16, whose padding rows may hold NaN (experts and tokens that exist all the same).
-    _run_together(("drafts:eagle3", "ok drafts"), ("drafts:mtp,draft_model,controlled", "ok drafts"),
+    _run_together(("drafts:eagle3,eagle+map", "ok drafts"), ("drafts:mtp,draft_model,controlled", "ok drafts"),
                   ("half_drafts", "ok half_drafts"), script=CHECKS.with_name("runner_checks.py"))
 
 
