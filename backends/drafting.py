@@ -6,7 +6,9 @@ to a proposer with ``runs_on_prefill_chunks``, those that computed a prefill chu
 With ``pad_drafts`` (set when the executor replays CUDA graphs of uniform batches), every request
 that sampled gets as many drafts as the longest in the batch, where ``max_model_len`` allows (not
 ``max_tokens``: the scheduler drops tokens past a stop): a request with fewer repeats its last
-draft (or its newest token). A padded draft is a deterministic proposal like any other, so
+draft (or its newest token); after a proposal launched from the device it verifies that
+proposal's own later drafts instead (they are on the device already, and the host does not
+know the drafts it would repeat). A padded draft is a deterministic proposal like any other, so
 verification stays exact (greedy output is unchanged; sampled output still follows the target);
 it costs a few more verified tokens and turns a ragged decode batch, which would run eagerly, into
 one a graph replays. Padded drafts count as drafts in the metrics.

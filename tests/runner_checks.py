@@ -408,9 +408,12 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
         params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True))
         engine, modes, greedy = dict(max_num_seqs=2, block_size=16, num_kv_blocks=5), MODES, 3
     else:
-        batch = [{"prompt_token_ids": p} for p in prompts(3, seed=5, min_len=6, max_len=14)]
+        # EAGLE-1 with a map: four requests, a graph size, so that its launches are fed from the
+        # device whichever requests finish first
+        count = 4 if method.endswith("+map") else 3
+        batch = [{"prompt_token_ids": p} for p in prompts(count, seed=5, min_len=6, max_len=14)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine, modes, greedy = dict(max_num_seqs=4), MODES if read_late else MODES[:3], 3
+        engine, modes, greedy = dict(max_num_seqs=4), MODES if read_late else MODES[:3], count
     outs, drafts, replays, preempted, accepted, at = {}, {}, {}, 0, {}, {}
     proposed: list[int] = []  # every draft the proposer made, in any mode
     for mode in modes:
@@ -436,7 +439,9 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
                 runner.parts.sampler.sample = _recording(runner.parts.sampler.sample, seen, at[mode])
                 launched = []
                 launch = prop.launch
-                prop.launch = lambda step: launched.append(launch(step)) or launched[-1]
+                # the drafts as launched (a copy: the graphs' output buffers take the next launch's)
+                prop.launch = lambda step: (launched.append(None if (d := launch(step)) is None else d.clone())
+                                            or d)
                 propose = prop.propose
                 prop.propose = lambda inputs: proposals.append(propose(inputs)) or proposals[-1]
                 late = []
@@ -472,7 +477,15 @@ def check_draft_graphs_match_eager(device: str, method: str, max_tokens: int = 1
     # Greedy outputs are the target's; a sampled one is the same whichever path drafted for it.
     assert all(outs[m][:greedy] == outs["none"][:greedy] and outs[m] == outs["eager"] for m in modes[1:]), outs
     # The drafts each step verified: placeholders of a launched proposal read back as its drafts.
-    assert all(drafts[m] == drafts["eager"] for m in ("graphs",)) and len(drafts["eager"]) > 5, (method, drafts)
+    # Past what a request's max_tokens lets it keep, a step pads: an eager proposal by repeating
+    # its last draft, a launched one with its own later drafts (both verified, neither kept).
+    lens = [len(p["prompt_token_ids"]) for p in batch]
+    limits = [p.max_tokens for p in params] if isinstance(params, list) else [params.max_tokens] * len(batch)
+    kept = {m: [[d[:max(0, limits[int(rid)] - (start - lens[int(rid)] + 1) - 1)] for rid, start, d in step]
+                for step in drafts[m]] for m in ("eager", "graphs")}
+    assert kept["graphs"] == kept["eager"] and len(drafts["eager"]) > 5, (method, drafts)
+    assert [[len(d) for *_, d in step] for step in drafts["graphs"]] == \
+        [[len(d) for *_, d in step] for step in drafts["eager"]], (method, drafts)
     if method.endswith("+map"):  # the proposer's drafts (not the padding of a step's) from the map's even ids
         assert proposed and all(t % 2 == 0 for t in proposed), proposed
     if "async" in modes:
@@ -576,7 +589,8 @@ def _recording(sample: Any, seen: list, at: dict | None = None) -> Any:
     placeholder left here would fail the comparison), and in ``at`` by (request, first position)."""
     def wrapped(batch: Any, *args: Any, **kwargs: Any) -> Any:
         if any(batch.spec_token_ids):
-            seen.append([list(d) for d in batch.spec_token_ids])
+            seen.append([(rid, start, list(d)) for rid, start, d in
+                         zip(batch.req_ids, batch.layout.starts, batch.spec_token_ids)])
             if at is not None:
                 at.update(((rid, start), list(d)) for rid, start, d in
                           zip(batch.req_ids, batch.layout.starts, batch.spec_token_ids) if d)
