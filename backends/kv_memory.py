@@ -1,11 +1,13 @@
 """How many KV blocks an engine gets.
 
 ``num_kv_blocks`` if given; else ``kv_cache_memory`` bytes; else on CUDA what
-``gpu_memory_utilization`` of the device leaves after this engine's own memory (weights, a draft
-model, persistent buffers and the peak of a profiled largest step, counted from what the process
-held before the engine was built) and what other processes hold, and never more than is free less
-twice the largest step's transient memory (room for the graphs captured after the cache); else a
-CPU default of 512 MiB, capped at what ``max_num_seqs`` full-length sequences need. One block's
+``gpu_memory_utilization`` (0.9 unless given) of the device leaves after this engine's own memory
+(weights, a draft model, persistent buffers and the peak of a profiled largest step, counted from
+what the process held before the engine was built) and what other processes hold, and never more
+than is free less twice the largest step's transient memory (room for the graphs captured after
+the cache); else on a CPU what ``gpu_memory_utilization`` of the machine's memory leaves after
+what is in use (``MemAvailable`` less the fraction not given), or 512 MiB when it is not given;
+on a CPU capped at what ``max_num_seqs`` full-length sequences need. One block's
 bytes count the target's layers plus those of a proposer that keeps its own cache, so a draft
 model's KV comes out of the same budget.
 """
@@ -13,6 +15,7 @@ model's KV comes out of the same budget.
 from __future__ import annotations
 
 import gc
+import os
 from typing import Callable
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 
 CPU_KV_CACHE_BYTES = 512 << 20
+GPU_MEMORY_UTILIZATION = 0.9  # when the config gives none
 
 
 def allocated(device: torch.device) -> int:
@@ -37,6 +41,9 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
                   profile: Callable[[], None], baseline: int = 0) -> int:
     """``profile()`` runs the largest step once (CUDA only); ``baseline``: :func:`allocated` before
     the engine loaded anything (an earlier engine in the same process is not this one's)."""
+    if config.gpu_memory_utilization is not None and (config.num_kv_blocks or config.kv_cache_memory):
+        given = "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory"
+        raise ValueError(f"gpu_memory_utilization has no effect when {given} sizes the KV cache; give one of them")
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if config.kv_cache_memory:
@@ -45,7 +52,8 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
         budget = _cuda_budget(config, device, profile, baseline)
     else:
         blocks_per_seq = -(-(config.max_model_len or 2048) // block_size)
-        budget = min(CPU_KV_CACHE_BYTES, bytes_per_block * (config.max_num_seqs * blocks_per_seq + 1))
+        wanted = CPU_KV_CACHE_BYTES if config.gpu_memory_utilization is None else _host_budget(config.gpu_memory_utilization)
+        budget = min(wanted, bytes_per_block * (config.max_num_seqs * blocks_per_seq + 1))
     blocks = int(budget // bytes_per_block)
     if blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget} bytes) is smaller than one block "
@@ -73,4 +81,24 @@ def _cuda_budget(config: EngineConfig, device: torch.device, profile: Callable[[
     # process as room, and then this one is what binds.
     transient = peak - torch.cuda.memory_allocated(device)
     available = free - 2 * transient
-    return int(min(total * config.gpu_memory_utilization - others - own_peak, available))
+    fraction = config.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+    return int(min(total * fraction - others - own_peak, available))
+
+
+def _host_budget(fraction: float) -> int:
+    """Bytes of the machine's memory a CPU engine's cache may take: what is available less the
+    share ``fraction`` leaves to the rest."""
+    total, available = host_memory()
+    return int(available - total * (1.0 - fraction))
+
+
+def host_memory() -> tuple[int, int]:
+    """The machine's memory and what of it is available, in bytes (``/proc/meminfo``; without it,
+    all of it counts as available)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        return info["MemTotal"], info["MemAvailable"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total

@@ -66,8 +66,8 @@ def run_tp(shape: str, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, tensor_parallel_size=tp,
               max_model_len=max(args.prefill_len, args.prompt_len + args.output_len) + 16,
-              max_num_seqs=max(args.batch_sizes + [1]), gpu_memory_utilization=args.gpu_memory_utilization,
-              num_kv_blocks=args.num_kv_blocks)
+              max_num_seqs=max(args.batch_sizes + [1]), num_kv_blocks=args.num_kv_blocks,
+              gpu_memory_utilization=None if args.num_kv_blocks else args.gpu_memory_utilization)
     result: dict[str, Any] = {"shape": shape, "tp": tp, "init_s": time.perf_counter() - t0, "layers":
                               SHAPES[shape]["num_hidden_layers"]}
     decode = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -121,10 +121,11 @@ def run_dp(dp: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     vocab = read_model_config(path).vocab_size
     engine_args = ["--data-parallel-size", str(dp), "--skip-tokenizer-init", "--device", args.device, "--max-model-len",
-                   str(args.input_len + args.output_len + 16), "--gpu-memory-utilization",
-                   str(args.gpu_memory_utilization)]
+                   str(args.input_len + args.output_len + 16)]
     if args.num_kv_blocks:
         engine_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    else:
+        engine_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     port = free_port()
     t0 = time.perf_counter()
     proc = start_server(path, port, engine_args)

@@ -79,7 +79,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # resolved by the runner from the memory budget when None
     kv_cache_memory: int | None = None  # bytes for the KV cache
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA, a fixed KV budget on CPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduler: str = "fcfs"
@@ -110,7 +110,7 @@ class EngineConfig:
             v = getattr(self, name)
             if (v is not None or name not in optional) and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")

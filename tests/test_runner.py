@@ -443,3 +443,29 @@ def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pyte
         assert pdl.launch_options(cpu) == {"PDL": True, "launch_pdl": True}
     finally:
         pdl.set_enabled(False)
+
+
+def test_kv_budget_on_a_cpu_follows_gpu_memory_utilization(monkeypatch) -> None:
+    """On a CPU the KV cache is 512 MiB unless ``gpu_memory_utilization`` is given, when it is what
+    that fraction of the machine leaves after what is in use; either way no more than ``max_num_seqs``
+    full sequences need. Given beside an explicit size, the fraction would do nothing: refused."""
+    from specloop.backends import kv_memory
+
+    gib, per_block = 1 << 30, 1 << 20
+    monkeypatch.setattr(kv_memory, "host_memory", lambda: (8 * gib, 6 * gib))  # 2 GiB in use
+
+    def blocks(**kw: Any) -> int:
+        config = EngineConfig(**{"max_model_len": 1024, "max_num_seqs": 256, **kw})
+        return kv_memory.num_kv_blocks(config, torch.device("cpu"), per_block, 16, lambda: None)
+
+    assert blocks() == 512  # 512 MiB
+    assert blocks(gpu_memory_utilization=0.5) == 2 * 1024  # 6 GiB available less the 4 GiB left to the rest
+    assert blocks(gpu_memory_utilization=0.9) == 5324  # 6 GiB less 0.8 GiB: 5,324.8 MiB
+    assert blocks(gpu_memory_utilization=0.9, max_num_seqs=2) == 2 * 64 + 1  # what two sequences need
+    with pytest.raises(ValueError, match="smaller than one block.*gpu_memory_utilization"):
+        blocks(gpu_memory_utilization=0.2)  # 6 GiB available, 6.4 GiB to leave
+    for size in ({"num_kv_blocks": 100}, {"kv_cache_memory": gib}):
+        with pytest.raises(ValueError, match=f"gpu_memory_utilization has no effect when {next(iter(size))}"):
+            blocks(gpu_memory_utilization=0.5, **size)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(gpu_memory_utilization=1.5)
