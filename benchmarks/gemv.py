@@ -14,7 +14,8 @@ the splits of ``K``).
 the grouped GEMMs (``kernels/fused_moe.py``, with their sort) against the two few-tokens kernels
 (``kernels/skinny_moe.py``): each call picks ``top_k`` experts at random (from a fixed list of
 draws, the shared experts always), and the bytes are the picked experts' weights. ``--moe-sweep``
-times the tiles of each of the two kernels (the other at its default), then the best pair;
+times the tiles of each of the two kernels (the other at its default), then the best pair (the
+down kernel's tiles may spread a token's picks over several programs: a fifth list, ``groups``);
 ``--moe-tokens 1,2,4`` times steps of several tokens too (a verification of drafts at batch 1).
 ``--mla-shapes`` times one token of latent attention (DeepSeek's absorbed MLA, ``kernels/mla_attention.py``)
 over contexts of ``--mla-contexts`` tokens at each split count of the keys; ``--attention-shapes``
@@ -257,7 +258,8 @@ def main() -> None:
     parser.add_argument("--moe-shapes", default="deepseek-v2-lite", help="MoE layers at one token ('' for none)")
     parser.add_argument("--moe-sweep", default="",
                         help="tiles of the MoE kernels to time, 'GATE_UP_SPEC/DOWN_SPEC', each "
-                        "'BLOCK_N list : BLOCK_K list : warps list : stages list' ('' for none)")
+                        "'BLOCK_N list : BLOCK_K list : warps list : stages list', the down kernel's with an "
+                        "optional ': groups list' (programs over a token's picks; 1 the default) ('' for none)")
     parser.add_argument("--moe-tokens", default="1", help="tokens a MoE call, a list (the sweep runs at the first)")
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")

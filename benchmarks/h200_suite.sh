@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests spectests offline decode decode8b prefill gemv tune attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b prefill gemv tune moe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -79,6 +79,9 @@ for s in $stages; do
     tune)  # the few-rows kernel's splits of K at qwen3-0.6b, the MoE at 1-4 tokens, latent attention's splits
       stage gemv_tune "${T_TUNE:-240}" python3 benchmarks/gemv.py --out "$RES/tune" --shapes qwen3-0.6b --rows 1 \
              --sweep "${TUNE_SWEEP:-4,8:256,512:4:3:0,2,4}" --moe-tokens 1,2,4 --mla-shapes deepseek-v2-lite ;;
+    moe)  # DeepSeek-V2-Lite's one-token MoE: the down kernel's picks over 1-8 programs a block of hidden units
+      stage moe_tune "${T_MOE:-150}" python3 benchmarks/gemv.py --out "$RES/moe" --skip-linear --pdl \
+             --moe-sweep "${MOE_SWEEP:-4:128:2:3/4,8:256,512:4:2:1,2,4,8}" ;;
     attention)  # decode attention of qwen3-0.6b at batches of sequences: every tile and split count swept
       stage attention_tune "${T_ATTENTION:-150}" python3 benchmarks/gemv.py --out "$RES/attention" --skip-linear \
              --moe-shapes "" --attention-shapes qwen3-0.6b --attention-batches "${ATTENTION_BATCHES:-1,4,16,32,64,256}" \

@@ -9,7 +9,8 @@ step of a few tokens only has to read the picked experts' weights once, like a G
 * gate/up: one program per (pair, block of ``BLOCK_N`` intermediate units) reads those rows of its
   expert's gate and up projections and writes ``silu(gate) * up`` for the pair;
 * down: one program per (token, block of ``BLOCK_N`` hidden units) runs the token's picks in order,
-  each pick's product scaled by its routing weight, and writes their sum.
+  each pick's product scaled by its routing weight, and writes their sum; or (``down_tile``'s
+  ``groups``) several programs share the picks and a small third kernel adds their sums in order.
 
 Every product accumulates in float32 and is rounded where :func:`fused_moe` rounds it (gate and up,
 the activation, each pick's weighted output; the sum once), and the picks are added in the same
@@ -68,46 +69,68 @@ def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.constexpr, PICKS: tl.constexpr,
+                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(2)  # of GROUPS programs over the token's picks, PICKS each
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
-    dtype = out_ptr.dtype.element_ty
+    dtype = h_ptr.dtype.element_ty  # the layer's (``out_ptr`` holds float32 partial sums with GROUPS > 1)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):  # in order: the same sum every run
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w2_ptr + expert * H * I + cols[:, None].to(tl.int64) * I
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = (k0 + ks) < I
-            h = tl.load(h_ptr + pair * I + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * h[None, :], 1)
-        total += (acc * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
+    for i in tl.static_range(PICKS):  # in order: the same sum every run
+        j = group * PICKS + i
+        if j < TOP_K:
+            pair = token * TOP_K + j
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            rows = w2_ptr + expert * H * I + cols[:, None].to(tl.int64) * I
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_ok = (k0 + ks) < I
+                h = tl.load(h_ptr + pair * I + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * h[None, :], 1)
+            total += (acc * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
+    if GROUPS == 1:
+        tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
+    else:  # float32 partial sums, added in order by _sum_groups_kernel
+        tl.store(out_ptr + (token * GROUPS + group) * H + cols, total, mask=col_ok)
+
+
+@triton.jit
+def _sum_groups_kernel(part_ptr, out_ptr, H, GROUPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_previous(PDL)
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    total = tl.zeros([BLOCK], tl.float32)
+    for g in tl.static_range(GROUPS):
+        total += tl.load(part_ptr + (token * GROUPS + g) * H + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + token * H + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # Tiles, ``(BLOCK_N, BLOCK_K, warps, stages)``, the fastest of those ``benchmarks/gemv.py --moe-sweep``
 # timed on the H200 for a V2-Lite layer at one token: 50.9 us for the pair against 62.0 us with
-# (16, 512, 4, 3) / (8, 512, 4, 3). Thin tiles: more programs stream the few picked experts.
+# (16, 512, 4, 3) / (8, 512, 4, 3). Thin tiles: more programs stream the few picked experts. The
+# down kernel's fifth entry: programs over a token's picks (1: one program runs them all).
 GATE_UP_TILE = (4, 128, 2, 3)
-DOWN_TILE = (4, 512, 4, 2)
+DOWN_TILE = (4, 512, 4, 2, 1)
+SUM_BLOCK = 512
 
 
 def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
                gate_up_tile: tuple[int, int, int, int] = GATE_UP_TILE,
-               down_tile: tuple[int, int, int, int] = DOWN_TILE) -> torch.Tensor:
+               down_tile: tuple[int, ...] = DOWN_TILE) -> torch.Tensor:
     """:func:`~specloop.kernels.fused_moe.fused_moe` for at most ``MAX_TOKENS`` tokens: ``x`` ``[T, H]``
     (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
     float32 and ``topk_ids`` int ``[T, top_k]``. With ``norm`` (an RMSNorm's weight and eps) the
     experts read ``rms_norm(x)``, computed inside the gate/up kernel. ``gate_up_tile`` and
-    ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``. Returns ``[T, H]`` in ``x``'s
-    dtype."""
+    ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``, the down kernel's with a fifth,
+    ``groups``: its picks spread over that many programs a block of hidden units, whose float32
+    partial sums a third kernel adds in order (one pick a group: the same bits as one group).
+    Returns ``[T, H]`` in ``x``'s dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -131,8 +154,14 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
         x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
-    block_n, block_k, warps, stages = down_tile
-    _down_kernel[(tokens, triton.cdiv(hidden, block_n))](
-        h, w2, ids, weights, out, inter, hidden, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+    block_n, block_k, warps, stages, *rest = down_tile
+    picks = triton.cdiv(top_k, rest[0] if rest else 1)
+    groups = triton.cdiv(top_k, picks)
+    part = out if groups == 1 else torch.empty(tokens, groups, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(tokens, triton.cdiv(hidden, block_n), groups)](
+        h, w2, ids, weights, part, inter, hidden, TOP_K=top_k, PICKS=picks, GROUPS=groups, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+    if groups > 1:
+        _sum_groups_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+            part, out, hidden, GROUPS=groups, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch_options(x.device))
     return out

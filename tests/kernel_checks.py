@@ -737,10 +737,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                               torch.randint(0, 64, (tokens, 6)))
             h = torch.randn(1, 2048, dtype=dtype)  # a MoE router with its norm: float32 weight and logits
             gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(64, 2048), split=1, out_dtype=torch.float32)
-            for norm in (None, (h[0], 1e-6)):
+            for norm, groups in ((None, 1), ((h[0], 1e-6), 1), (None, 4)):  # groups: the down kernel's picks spread
                 skinny_moe.skinny_moe(h, torch.randn(66, 2816, 2048, dtype=dtype),
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
-                                      torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm)
+                                      torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm,
+                                      down_tile=(*skinny_moe.DOWN_TILE[:4], groups))
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

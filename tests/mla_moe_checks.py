@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from specloop.kernels.fused_moe import fused_moe, sort_by_expert
-from specloop.kernels.skinny_moe import skinny_moe
+from specloop.kernels.skinny_moe import DOWN_TILE, skinny_moe
 from specloop.kernels.moe_route import moe_route as moe_route_kernel
 from specloop.kernels.mla_attention import mla_attention
 from specloop.kernels.mla_rope_cache import mla_rope_cache
@@ -162,6 +162,12 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
         small = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), gate_up_tile=(8, 32, 4, 1),
                            down_tile=(4, 16, 4, 2))
         assert rel_err(small, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, small tiles"
+        # The down kernel's picks over several programs a block: one pick each, the same bits
+        # (the partial sums added in the same order); two picks each (the last group short), close.
+        one_each = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(*DOWN_TILE[:4], top_k))
+        assert torch.equal(one_each, out), f"skinny_moe case {case}, a pick a program"
+        pairs = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(4, 16, 4, 2, -(-top_k // 2)))
+        assert rel_err(pairs, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, two picks a program"
     # The few-rows op set runs it for a one-token step in half precision, the grouped kernels else.
     from specloop.models.ops import FEW_ROWS_OPS
 
