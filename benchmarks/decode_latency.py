@@ -32,7 +32,8 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
-             ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs))
+             ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs),
+             ("moe_down_groups", args.moe_down_groups))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -119,6 +120,9 @@ def main() -> None:
     parser.add_argument("--long-context-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's long_context_graphs option (decode graphs with more splits, replayed "
                         "over long contexts; off by default)")
+    parser.add_argument("--moe-down-groups", type=int, default=None,
+                        help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
+                        "one-token MoE's down projection; 1 by default)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

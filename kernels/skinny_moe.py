@@ -113,10 +113,19 @@ def _sum_groups_kernel(part_ptr, out_ptr, H, GROUPS: tl.constexpr, BLOCK: tl.con
 # Tiles, ``(BLOCK_N, BLOCK_K, warps, stages)``, the fastest of those ``benchmarks/gemv.py --moe-sweep``
 # timed on the H200 for a V2-Lite layer at one token: 50.9 us for the pair against 62.0 us with
 # (16, 512, 4, 3) / (8, 512, 4, 3). Thin tiles: more programs stream the few picked experts. The
-# down kernel's fifth entry: programs over a token's picks (1: one program runs them all).
+# down kernel's tile may take a fifth entry, its programs over a token's picks (else
+# :func:`set_down_groups`'s, 1 unless set: one program runs them all).
 GATE_UP_TILE = (4, 128, 2, 3)
-DOWN_TILE = (4, 512, 4, 2, 1)
+DOWN_TILE = (4, 512, 4, 2)
 SUM_BLOCK = 512
+_down_groups = 1
+
+
+def set_down_groups(groups: int) -> None:
+    """The down kernel's programs over a token's picks when a call's ``down_tile`` does not say
+    (the GPU runner's ``moe_down_groups`` option)."""
+    global _down_groups
+    _down_groups = int(groups)
 
 
 def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -127,9 +136,10 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
     float32 and ``topk_ids`` int ``[T, top_k]``. With ``norm`` (an RMSNorm's weight and eps) the
     experts read ``rms_norm(x)``, computed inside the gate/up kernel. ``gate_up_tile`` and
-    ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``, the down kernel's with a fifth,
-    ``groups``: its picks spread over that many programs a block of hidden units, whose float32
-    partial sums a third kernel adds in order (one pick a group: the same bits as one group).
+    ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``, the down kernel's with an
+    optional fifth, ``groups`` (else :func:`set_down_groups`'s): its picks spread over that many
+    programs a block of hidden units, whose float32 partial sums a third kernel adds in order (one
+    pick a group: the same bits as one group).
     Returns ``[T, H]`` in ``x``'s dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -155,7 +165,7 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
         x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
     block_n, block_k, warps, stages, *rest = down_tile
-    picks = triton.cdiv(top_k, rest[0] if rest else 1)
+    picks = triton.cdiv(top_k, rest[0] if rest else _down_groups)
     groups = triton.cdiv(top_k, picks)
     part = out if groups == 1 else torch.empty(tokens, groups, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens, triton.cdiv(hidden, block_n), groups)](

@@ -741,7 +741,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 skinny_moe.skinny_moe(h, torch.randn(66, 2816, 2048, dtype=dtype),
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
                                       torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm,
-                                      down_tile=(*skinny_moe.DOWN_TILE[:4], groups))
+                                      down_tile=(*skinny_moe.DOWN_TILE, groups))
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

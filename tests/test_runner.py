@@ -295,6 +295,20 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
                                        plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})
     assert runner.attn_backend.decode_config == (32, 4, 2)
     runner.shutdown()
+    # moe_down_groups: programs over a token's experts in the one-token MoE's down kernel, 1 to 64.
+    from specloop.kernels import skinny_moe
+
+    assert GpuPlatform(EngineConfig()).moe_down_groups == 1
+    for bad in (0, 65, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="moe_down_groups'\\] must be an integer from 1 to 64"):
+            GpuPlatform(EngineConfig(plugin_options={"gpu": {"moe_down_groups": bad}}))
+    try:
+        runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
+                                           plugin_options={"gpu": {"moe_down_groups": 4}})
+        runner.shutdown()
+        assert skinny_moe._down_groups == 4
+    finally:
+        skinny_moe.set_down_groups(1)
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})

@@ -37,7 +37,9 @@ engines of one process may choose differently: a benchmark comparing them gives 
 for latent attention and in batch-invariant mode, which keep their own) and ``long_context_graphs``
 (default off, not yet measured end to end: a second decode graph for each batch size whose split
 count leaves the chip short of programs, with more splits, replayed when the longest context gives
-each split two tiles, ``backends.gpu.graphs``; dense attention only). Any other key is refused.
+each split two tiles, ``backends.gpu.graphs``; dense attention only) and ``moe_down_groups`` (default 1,
+not yet measured: the one-token MoE's down projection spreads a token's experts over that many
+programs a block of hidden units, ``kernels.skinny_moe``). Any other key is refused.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
-from specloop.kernels import last_sums, pdl
+from specloop.kernels import last_sums, pdl, skinny_moe
 from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_routed_rows
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
@@ -75,7 +77,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs")
+               "long_context_graphs", "moe_down_groups")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -111,6 +113,11 @@ class GpuPlatform:
                                  f"{', '.join(str(list(c)) for c in TritonAttentionBackend.DECODE_CONFIGS)} (keys a "
                                  f"tile, warps, stages), got {opts['decode_tile']!r}")
         self.decode_tile = tile
+        groups = opts.get("moe_down_groups", 1)
+        if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= 64:
+            raise ValueError(f"plugin_options['gpu']['moe_down_groups'] must be an integer from 1 to 64 (programs "
+                             f"over a token's experts in the one-token MoE's down projection), got {groups!r}")
+        self.moe_down_groups = groups
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -124,6 +131,7 @@ class GpuPlatform:
             runner.attn_backend.rope_in_attention = self.rope_in_attention
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
+        skinny_moe.set_down_groups(self.moe_down_groups)
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
         if c.batch_invariant:
