@@ -11,8 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from hf_models import prompts, tiny
+import fast_interpreter
 
 from specloop import LLM, SamplingParams
+
+
+
+fast_interpreter.install()  # a no-op unless TRITON_INTERPRET=1
 
 
 def _outputs(llm: Any, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -11,6 +11,7 @@ import contextlib
 import os
 
 import mla_moe_checks
+import fast_interpreter
 import torch
 
 from specloop.kernels.activation import silu_and_mul
@@ -23,6 +24,10 @@ from specloop.kernels.sampling import argmax_rows, gumbel_sample
 
 # ||out - ref|| / ||ref|| bounds by dtype (METHOD: fp32 far under 1e-3, 16-bit operands 1e-3..1e-2).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+
+fast_interpreter.install()  # a no-op unless TRITON_INTERPRET=1
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ import torch
 from hf_models import prompts, tiny
 from eager_graphs import eager_captures, eager_target_graphs
 from plans import Plans
+import fast_interpreter
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
@@ -30,6 +31,10 @@ from specloop.kernel.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
 SEEDED = SamplingParams(temperature=0.8, min_p=0.05, seed=5, max_tokens=100)
 BF16_TIE = 0.02
+
+
+
+fast_interpreter.install()  # a no-op unless TRITON_INTERPRET=1
 
 
 def make_runner(path: str, name: str, device: str, dtype: str, **config: Any) -> Any:
