@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests spectests offline decode decode8b prefill gemv tune moe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b prefill gemv tune moe long_context attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -79,9 +79,25 @@ for s in $stages; do
     tune)  # the few-rows kernel's splits of K at qwen3-0.6b, the MoE at 1-4 tokens, latent attention's splits
       stage gemv_tune "${T_TUNE:-240}" python3 benchmarks/gemv.py --out "$RES/tune" --shapes qwen3-0.6b --rows 1 \
              --sweep "${TUNE_SWEEP:-4,8:256,512:4:3:0,2,4}" --moe-tokens 1,2,4 --mla-shapes deepseek-v2-lite ;;
-    moe)  # DeepSeek-V2-Lite's one-token MoE: the down kernel's picks over 1-8 programs a block of hidden units
+    moe)  # DeepSeek-V2-Lite's one-token MoE: the down kernel's picks over 1-8 programs a block of hidden units,
+          # alone, then batch-1 decode with the GPU runner's moe_down_groups at 1 and MOE_GROUPS, in turn
       stage moe_tune "${T_MOE:-150}" python3 benchmarks/gemv.py --out "$RES/moe" --skip-linear --pdl \
-             --moe-sweep "${MOE_SWEEP:-4:128:2:3/4,8:256,512:4:2:1,2,4,8}" ;;
+             --moe-sweep "${MOE_SWEEP:-4:128:2:3/4,8:256,512:4:2:1,2,4,8}"
+      for run in a b; do
+        for g in 1 "${MOE_GROUPS:-4}"; do
+          stage "ds_decode_groups${g}_$run" "${T_MOE_DECODE:-100}" python3 benchmarks/decode_latency.py \
+               --out "$RES/moe_groups${g}_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1 \
+               --moe-down-groups "$g"
+        done
+      done ;;
+    long_context)  # decode graphs with more splits over long contexts (long_context_graphs), off and on, in turn
+      for run in a b; do
+        for opt in --no-long-context-graphs --long-context-graphs; do
+          stage "decode_${opt#--}_$run" "${T_LONG:-110}" python3 benchmarks/decode_latency.py \
+               --out "$RES/${opt#--}_$run" --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 24,32,48,64 \
+               --prompt-len 1024 --output-len 256 $opt
+        done
+      done ;;
     attention)  # decode attention of qwen3-0.6b at batches of sequences: every tile and split count swept
       stage attention_tune "${T_ATTENTION:-150}" python3 benchmarks/gemv.py --out "$RES/attention" --skip-linear \
              --moe-shapes "" --attention-shapes qwen3-0.6b --attention-batches "${ATTENTION_BATCHES:-1,4,16,32,64,256}" \
