@@ -38,8 +38,8 @@ def install() -> None:
     from triton.runtime import interpreter
 
     patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or getattr(patch, "installed", False):
-        return
+    if patch is None or getattr(patch, "installed", False) or not hasattr(interpreter, "GridExecutor"):
+        return  # another Triton: its interpreter as it is
     launches: list[frozenset[int]] = []  # the modules each running launch patched
     # The modules a helper's patch left patched: Triton never restores those (a library helper
     # such as ``tl.sum`` sees ``triton.language.core`` where the kernel sees ``triton.language``),
