@@ -93,12 +93,22 @@ def _host_budget(fraction: float) -> int:
 
 
 def host_memory() -> tuple[int, int]:
-    """The machine's memory and what of it is available, in bytes (``/proc/meminfo``; without it,
-    all of it counts as available)."""
+    """The machine's memory and what of it is available, in bytes (``/proc/meminfo``, within the
+    process's cgroup limit where one is set; without ``/proc/meminfo``, all of it counts as
+    available)."""
     try:
         with open("/proc/meminfo") as f:
             info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
-        return info["MemTotal"], info["MemAvailable"]
+        total, available = info["MemTotal"], info["MemAvailable"]
     except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return total, total
+        total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:  # a container's limit (cgroup v2): what it may use, less what it uses
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            total, available = min(total, int(limit)), min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return total, available

@@ -483,3 +483,27 @@ def test_kv_budget_on_a_cpu_follows_gpu_memory_utilization(monkeypatch) -> None:
             blocks(gpu_memory_utilization=0.5, **size)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_host_memory_keeps_within_a_cgroup_limit(monkeypatch) -> None:
+    """A CPU engine's fraction is of the memory the process may use: the machine's, or its
+    container's limit (cgroup v2) less what the container uses, whichever is smaller."""
+    import io
+
+    from specloop.backends import kv_memory
+
+    gib = 1 << 30
+    files = {"/proc/meminfo": f"MemTotal: {8 * gib // 1024} kB\nMemFree: 1 kB\nMemAvailable: {6 * gib // 1024} kB\n",
+             "/sys/fs/cgroup/memory.max": f"{4 * gib}\n", "/sys/fs/cgroup/memory.current": f"{gib}\n"}
+
+    def fake_open(path: str, *args: Any, **kwargs: Any) -> io.StringIO:
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    monkeypatch.setattr(kv_memory, "open", fake_open, raising=False)
+    assert kv_memory.host_memory() == (4 * gib, 3 * gib)
+    files["/sys/fs/cgroup/memory.max"] = "max\n"  # no limit
+    assert kv_memory.host_memory() == (8 * gib, 6 * gib)
+    del files["/sys/fs/cgroup/memory.max"]  # no cgroup v2
+    assert kv_memory.host_memory() == (8 * gib, 6 * gib)
