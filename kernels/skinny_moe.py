@@ -74,7 +74,9 @@ def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.c
     wait_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    group = tl.program_id(2)  # of GROUPS programs over the token's picks, PICKS each
+    # of GROUPS programs over the token's picks, PICKS each (one group: every bound below is known
+    # at compile time, the code the kernel had before groups)
+    group = tl.program_id(2) if GROUPS > 1 else 0
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
     dtype = h_ptr.dtype.element_ty  # the layer's (``out_ptr`` holds float32 partial sums with GROUPS > 1)
