@@ -5,8 +5,8 @@ restores it after. Each call of a ``@triton.jit`` helper from inside the kernel 
 a prologue, a slice of the program's work) patches it again, per program and per call, by walking
 five namespaces with ``inspect.getmembers``; the patch it makes is discarded and changes nothing the
 launch's has not. In the interpreted runner checks that walk was about a fifth of the time. Here a
-helper's patch is skipped while the modules it would patch are patched already; everything else
-runs as Triton runs it.
+helper's patch is skipped while the modules it would patch are patched already, and the numpy dtype
+of a Triton type is looked up once per type; everything else runs as Triton runs it.
 """
 
 from __future__ import annotations
@@ -61,3 +61,20 @@ def install() -> None:
 
     patch_lang.installed = True  # type: ignore[attr-defined]
     interpreter._patch_lang = patch_lang
+
+    # Its numpy dtype of a Triton type builds a table of twenty dtypes per call, a few times an
+    # operation: a pure function, remembered per type.
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:
+        known: dict = {}
+
+        def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202
+            try:
+                return known[tt_dtype]
+            except KeyError:
+                known[tt_dtype] = found = np_dtype(tt_dtype)
+                return found
+            except TypeError:  # not hashable
+                return np_dtype(tt_dtype)
+
+        interpreter._get_np_dtype = get_np_dtype
