@@ -41,9 +41,6 @@ def num_kv_blocks(config: EngineConfig, device: torch.device, bytes_per_block: i
                   profile: Callable[[], None], baseline: int = 0) -> int:
     """``profile()`` runs the largest step once (CUDA only); ``baseline``: :func:`allocated` before
     the engine loaded anything (an earlier engine in the same process is not this one's)."""
-    if config.gpu_memory_utilization is not None and (config.num_kv_blocks or config.kv_cache_memory):
-        given = "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory"
-        raise ValueError(f"gpu_memory_utilization has no effect when {given} sizes the KV cache; give one of them")
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if config.kv_cache_memory:

@@ -72,6 +72,9 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
     if config.data_parallel_size > 1:
         raise ValueError("data_parallel_size > 1 runs several engines behind a router: use `specloop serve "
                          "--data-parallel-size N` or frontend.data_parallel.DataParallelEngine")
+    if config.gpu_memory_utilization is not None and (config.num_kv_blocks or config.kv_cache_memory):
+        given = "num_kv_blocks" if config.num_kv_blocks else "kv_cache_memory"
+        raise ValueError(f"gpu_memory_utilization has no effect when {given} sizes the KV cache; give one of them")
     plugins = plugins or PluginManager(disable=config.disable_plugins)
     check_namespaces(config, plugins)
     if config.model is not None or _runner_requires_model(config, plugins):

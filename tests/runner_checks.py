@@ -33,7 +33,6 @@ SEEDED = SamplingParams(temperature=0.8, min_p=0.05, seed=5, max_tokens=100)
 BF16_TIE = 0.02
 
 
-
 fast_interpreter.install()  # a no-op unless TRITON_INTERPRET=1
 
 

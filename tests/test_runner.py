@@ -462,7 +462,8 @@ def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pyte
 def test_kv_budget_on_a_cpu_follows_gpu_memory_utilization(monkeypatch) -> None:
     """On a CPU the KV cache is 512 MiB unless ``gpu_memory_utilization`` is given, when it is what
     that fraction of the machine leaves after what is in use; either way no more than ``max_num_seqs``
-    full sequences need. Given beside an explicit size, the fraction would do nothing: refused."""
+    full sequences need. Given beside an explicit size, the fraction would do nothing: any engine
+    refuses it."""
     from specloop.backends import kv_memory
 
     gib, per_block = 1 << 30, 1 << 20
@@ -478,9 +479,11 @@ def test_kv_budget_on_a_cpu_follows_gpu_memory_utilization(monkeypatch) -> None:
     assert blocks(gpu_memory_utilization=0.9, max_num_seqs=2) == 2 * 64 + 1  # what two sequences need
     with pytest.raises(ValueError, match="smaller than one block.*gpu_memory_utilization"):
         blocks(gpu_memory_utilization=0.2)  # 6 GiB available, 6.4 GiB to leave
-    for size in ({"num_kv_blocks": 100}, {"kv_cache_memory": gib}):
+    from specloop import LLM
+
+    for size in ({"num_kv_blocks": 100}, {"kv_cache_memory": gib}):  # refused before anything loads
         with pytest.raises(ValueError, match=f"gpu_memory_utilization has no effect when {next(iter(size))}"):
-            blocks(gpu_memory_utilization=0.5, **size)
+            LLM(model_runner="scripted", skip_tokenizer_init=True, gpu_memory_utilization=0.5, **size)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         EngineConfig(gpu_memory_utilization=1.5)
 
