@@ -304,11 +304,15 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
             GpuPlatform(EngineConfig(plugin_options={"gpu": {"moe_down_groups": bad}}))
     try:
         runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
-                                           plugin_options={"gpu": {"moe_down_groups": 4}})
+                                           plugin_options={"gpu": {"moe_down_groups": 4, "skinny_gemv": True}})
         runner.shutdown()
         assert skinny_moe._down_groups == 4
     finally:
         skinny_moe.set_down_groups(1)
+    for variant, options in (("qwen3", {"skinny_gemv": True}), ("deepseek_v3", {"skinny_gemv": False})):
+        with pytest.raises(ValueError, match="moe_down_groups.*which this engine does not run"):
+            runner_checks.make_runner(tiny(variant).path, "gpu", "cpu", "float32",
+                                      plugin_options={"gpu": {"moe_down_groups": 4, **options}})
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})

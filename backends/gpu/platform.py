@@ -125,6 +125,9 @@ class GpuPlatform:
         return FEW_ROWS_OPS if self.skinny_gemv else TRITON_OPS
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
+        if self.moe_down_groups != 1 and (runner.model_config.moe is None or not (self.fused and self.skinny_gemv)):
+            raise ValueError("plugin_options['gpu']['moe_down_groups'] sets the one-token MoE kernel's programs, "
+                             "which this engine does not run (a model without experts, or fused or skinny_gemv off)")
         c = runner.config
         pdl.set_enabled(self.pdl if self.pdl is not None else pdl_pays(runner.model, runner.device))
         if hasattr(runner.attn_backend, "rope_in_attention"):
