@@ -39,7 +39,8 @@ for latent attention and in batch-invariant mode, which keep their own) and ``lo
 count leaves the chip short of programs, with more splits, replayed when the longest context gives
 each split two tiles, ``backends.gpu.graphs``; dense attention only) and ``moe_down_groups`` (default 1,
 not yet measured: the one-token MoE's down projection spreads a token's experts over that many
-programs a block of hidden units, ``kernels.skinny_moe``). Any other key is refused.
+programs a block of hidden units, ``kernels.skinny_moe``; refused where that kernel does not run).
+Any other key is refused.
 """
 
 from __future__ import annotations
