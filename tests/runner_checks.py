@@ -589,8 +589,9 @@ def check_half_precision_drafts(device: str) -> None:
 
 
 def _recording(sample: Any, seen: list, at: dict | None = None) -> Any:
-    """``sample`` that records the drafts of each step that verifies some (values only: a
-    placeholder left here would fail the comparison), and in ``at`` by (request, first position)."""
+    """``sample`` that records, for each step that verifies drafts, every request's (id, first
+    position, drafts) in ``seen`` (values only: a placeholder left here would fail the comparison),
+    and the drafts in ``at`` by (request, first position)."""
     def wrapped(batch: Any, *args: Any, **kwargs: Any) -> Any:
         if any(batch.spec_token_ids):
             seen.append([(rid, start, list(d)) for rid, start, d in
