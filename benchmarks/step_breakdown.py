@@ -146,6 +146,9 @@ def main() -> None:
                         "one before it is profiled from its launch: turn it off for each kernel's own time)")
     parser.add_argument("--skinny-rows", type=int, default=None,
                         help="the GPU runner's skinny_rows option (the most rows a step its few-rows kernels take)")
+    parser.add_argument("--moe-down-groups", type=int, default=None,
+                        help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
+                        "one-token MoE's down projection)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)
@@ -161,8 +164,8 @@ def main() -> None:
     llm = LLM(path, skip_tokenizer_init=True, device=args.device, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + args.warm_steps + 2 * args.steps + 64, gpu_memory_utilization=0.8,
               model_runner="gpu", async_scheduling=args.async_scheduling,
-              plugin_options={"gpu": {k: v for k, v in (("pdl", args.pdl), ("skinny_rows", args.skinny_rows))
-                                      if v is not None}})
+              plugin_options={"gpu": {k: v for k, v in (("pdl", args.pdl), ("skinny_rows", args.skinny_rows),
+                                                        ("moe_down_groups", args.moe_down_groups)) if v is not None}})
     backend = llm.core.runner.attn_backend
     report("decode attention tile (timed at start-up, us)", {"chosen": backend.decode_config, **backend.decode_tuning})
     rows = []

@@ -162,10 +162,15 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
         small = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), gate_up_tile=(8, 32, 4, 1),
                            down_tile=(4, 16, 4, 2))
         assert rel_err(small, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, small tiles"
-        # The down kernel's picks over several programs a block: one pick each, the same bits
-        # (the partial sums added in the same order); two picks each (the last group short), close.
+        # The down kernel's picks over several programs a block: one pick each, the same bits (the
+        # partial sums added in the same order), except where a GPU fuses a float32 pick's product
+        # into the running sum (one rounding, where the partial rounds the product first); two picks
+        # each (the last group short), close.
         one_each = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(*DOWN_TILE, top_k))
-        assert torch.equal(one_each, out), f"skinny_moe case {case}, a pick a program"
+        if dtype == torch.float32 and device != "cpu":
+            assert rel_err(one_each, out.double().cpu()) < 1e-6, f"skinny_moe case {case}, a pick a program"
+        else:
+            assert torch.equal(one_each, out), f"skinny_moe case {case}, a pick a program"
         pairs = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(4, 16, 4, 2, -(-top_k // 2)))
         assert rel_err(pairs, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, two picks a program"
     # The few-rows op set runs it for a one-token step in half precision, the grouped kernels else.
