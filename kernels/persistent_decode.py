@@ -174,7 +174,8 @@ def _persistent_decode_kernel(
     LAYERS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_KEYS: tl.constexpr, SPLITS: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr,
     BN_GU: tl.constexpr, BN_D: tl.constexpr, LP_QKV: tl.constexpr, LP_O: tl.constexpr, LP_GU: tl.constexpr,
-    LP_D: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    LP_D: tl.constexpr, BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     PREFETCH: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -194,7 +195,7 @@ def _persistent_decode_kernel(
         # 1. qkv = Wqkv rms(s) (+ b)
         rstd = _rstd(s_ptr, H, HP, eps)
         for rb in range(pid, tl.cdiv(QKV, BN_QKV), G):
-            rows, ok, acc = _rows_dot(wqkv, s_ptr, n_in_ptr + li * H, rstd, rb, QKV, H, True, BN_QKV, BK)
+            rows, ok, acc = _rows_dot(wqkv, s_ptr, n_in_ptr + li * H, rstd, rb, QKV, H, True, BN_QKV, BK_QKV)
             if HAS_BIAS:
                 acc += tl.load(bqkv_ptr + li * QKV + rows, mask=ok, other=0.0).to(tl.float32)
             tl.store(qkv_ptr + rows, acc.to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -211,7 +212,7 @@ def _persistent_decode_kernel(
         grid_sync(counter_ptr, (layer * 5 + 2) * G)
         # 3. s2 = s + Wo attn
         for rb in range(pid, tl.cdiv(H, BN_O), G):
-            rows, ok, acc = _rows_dot(wo, attn_ptr, n_in_ptr, 1.0, rb, H, Q, False, BN_O, BK)
+            rows, ok, acc = _rows_dot(wo, attn_ptr, n_in_ptr, 1.0, rb, H, Q, False, BN_O, BK_O)
             out = acc.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(s_ptr + rows, mask=ok).to(tl.float32)
             tl.store(s2_ptr + rows, out.to(s2_ptr.dtype.element_ty), mask=ok)
         if PREFETCH:
@@ -221,8 +222,8 @@ def _persistent_decode_kernel(
         # 4. act = silu(g) * u, [g | u] = Wgu rms(s2)
         rstd = _rstd(s2_ptr, H, HP, eps)
         for rb in range(pid, tl.cdiv(I, BN_GU), G):
-            rows, ok, g = _rows_dot(wgu, s2_ptr, n_post_ptr + li * H, rstd, rb, I, H, True, BN_GU, BK)
-            rows, ok, u = _rows_dot(wgu + I * H, s2_ptr, n_post_ptr + li * H, rstd, rb, I, H, True, BN_GU, BK)
+            rows, ok, g = _rows_dot(wgu, s2_ptr, n_post_ptr + li * H, rstd, rb, I, H, True, BN_GU, BK_GU)
+            rows, ok, u = _rows_dot(wgu + I * H, s2_ptr, n_post_ptr + li * H, rstd, rb, I, H, True, BN_GU, BK_GU)
             dt = act_ptr.dtype.element_ty
             g = g.to(dt).to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u.to(dt).to(tl.float32)
@@ -232,7 +233,7 @@ def _persistent_decode_kernel(
         grid_sync(counter_ptr, (layer * 5 + 4) * G)
         # 5. s = s2 + Wd act
         for rb in range(pid, tl.cdiv(H, BN_D), G):
-            rows, ok, acc = _rows_dot(wd, act_ptr, n_in_ptr, 1.0, rb, H, I, False, BN_D, BK)
+            rows, ok, acc = _rows_dot(wd, act_ptr, n_in_ptr, 1.0, rb, H, I, False, BN_D, BK_D)
             out = acc.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(s2_ptr + rows, mask=ok).to(tl.float32)
             tl.store(s_ptr + rows, out.to(s_ptr.dtype.element_ty), mask=ok)
         if PREFETCH:
@@ -256,6 +257,12 @@ def prefetch_lines(bn: int, k: int) -> int:
     return triton.next_power_of_2(max(1, bn * k // 64))
 
 
+def chunk(bn: int, k: int, elements: int = 8192) -> int:
+    """Inputs a step of a block of ``bn`` rows multiplies: a tile of about ``elements`` weights
+    (at least 128 inputs, at most ``k`` rounded up to a power of two)."""
+    return min(triton.next_power_of_2(k), max(128, elements // bn))
+
+
 def constants(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, layers: int, programs: int,
               splits: int, block_keys: int, qk_norm: bool, qkv_bias: bool, prefetch: bool,
               float32: bool) -> dict[str, object]:
@@ -268,7 +275,8 @@ def constants(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                 SPLITS=splits, BN_QKV=bn[0], BN_O=bn[1], BN_GU=bn[2], BN_D=bn[3],
                 LP_QKV=prefetch_lines(bn[0], hidden), LP_O=prefetch_lines(bn[1], heads * head_dim),
                 LP_GU=prefetch_lines(bn[2], hidden), LP_D=prefetch_lines(bn[3], inter),
-                BK=min(512, triton.next_power_of_2(hidden)), HAS_NORM=qk_norm, HAS_BIAS=qkv_bias,
+                BK_QKV=chunk(bn[0], hidden), BK_O=chunk(bn[1], heads * head_dim), BK_GU=chunk(bn[2], hidden),
+                BK_D=chunk(bn[3], inter), HAS_NORM=qk_norm, HAS_BIAS=qkv_bias,
                 PREFETCH=prefetch, PRECISION="ieee" if float32 else "tf32")
 
 
