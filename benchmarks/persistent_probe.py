@@ -29,34 +29,12 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_bandwidth, report, save  # noqa: E402
 
+from specloop.kernels.persistent_decode import ask_l2, block_rows, grid_sync, prefetch_lines  # noqa: E402
+
 SHAPES = {  # hidden, q size, kv size, intermediate, layers
     "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
     "llama3-8b": (4096, 4096, 1024, 14336, 32),
 }
-
-
-@triton.jit
-def _grid_sync(counter_ptr, target):
-    """Every program arrives (its stores ordered before), then waits until ``target`` have."""
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    while tl.load(counter_ptr, volatile=True) < target:
-        pass
-    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")  # the others' stores visible from here
-    tl.debug_barrier()
-
-
-@triton.jit
-def _ask_l2(w_ptr, pid, G, N, K, BN: tl.constexpr, LP: tl.constexpr):
-    """Ask L2 for the weight rows this program multiplies in a stage: ``BN * K * 2 / 128`` lines a
-    block of ``BN`` rows (contiguous), ``LP`` requests (a power of two at least that; the rest
-    repeat the last line)."""
-    lines = BN * K // 64
-    offs = tl.minimum(tl.arange(0, LP), lines - 1) * 64
-    for rb in range(pid, N // BN, G):
-        base = w_ptr + rb.to(tl.int64) * BN * K
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -98,16 +76,16 @@ def _chain_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_
                 rows, acc = _rows(wqkv, x_ptr, scale, rb, H, BN1, BK)
                 tl.store(qkv_ptr + rows, acc)
         if PREFETCH:
-            _ask_l2(wo, pid, G, H, Q, BN2, LP2)
-        _grid_sync(counter_ptr, (layer * 4 + 1) * G)
+            ask_l2(wo, pid, G, H, Q, BN2, LP2)
+        grid_sync(counter_ptr, (layer * 4 + 1) * G)
         if WORK:  # h = x + Wo qkv[:q]
             for rb in range(pid, H // BN2, G):
                 rows, acc = _rows(wo, qkv_ptr, 1.0, rb, Q, BN2, BK)
                 tl.store(h_ptr + rows, acc + tl.load(x_ptr + rows))
         if PREFETCH:
-            _ask_l2(wgu, pid, G, I, H, BN3, LP3)
-            _ask_l2(wgu + I * H, pid, G, I, H, BN3, LP3)
-        _grid_sync(counter_ptr, (layer * 4 + 2) * G)
+            ask_l2(wgu, pid, G, I, H, BN3, LP3)
+            ask_l2(wgu + I * H, pid, G, I, H, BN3, LP3)
+        grid_sync(counter_ptr, (layer * 4 + 2) * G)
         if WORK:  # act = silu(g) * u, [g | u] = Wgu rms(h)
             scale = _rstd(h_ptr, H, HP, 1e-6)
             for rb in range(pid, I // BN3, G):
@@ -115,29 +93,16 @@ def _chain_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_
                 rows, u = _rows(wgu + I * H, h_ptr, scale, rb, H, BN3, BK)
                 tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u)
         if PREFETCH:
-            _ask_l2(wd, pid, G, H, I, BN4, LP4)
-        _grid_sync(counter_ptr, (layer * 4 + 3) * G)
+            ask_l2(wd, pid, G, H, I, BN4, LP4)
+        grid_sync(counter_ptr, (layer * 4 + 3) * G)
         if WORK:  # x = h + Wd act
             for rb in range(pid, H // BN4, G):
                 rows, acc = _rows(wd, act_ptr, 1.0, rb, I, BN4, BK)
                 tl.store(x_ptr + rows, acc + tl.load(h_ptr + rows))
         if PREFETCH:
             if layer + 1 < LAYERS:
-                _ask_l2(wqkv + QKV * H, pid, G, QKV, H, BN1, LP1)
-        _grid_sync(counter_ptr, (layer * 4 + 4) * G)
-
-
-def block_rows(n: int, programs: int) -> int:
-    """Rows a block: the largest power of two that still gives every program a block."""
-    bn = 1
-    while n // (bn * 2) >= programs and bn < 64:
-        bn *= 2
-    return bn
-
-
-def lp(bn: int, k: int) -> int:
-    """Prefetch requests a block of ``bn`` rows of ``k`` bf16 weights: its 128-byte lines, rounded up."""
-    return triton.next_power_of_2(bn * k // 64)
+                ask_l2(wqkv + QKV * H, pid, G, QKV, H, BN1, LP1)
+        grid_sync(counter_ptr, (layer * 4 + 4) * G)
 
 
 def chain_reference(x, wqkv, wo, wgu, wd, q):
@@ -215,7 +180,8 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
                 x.copy_(x0)
                 _chain_kernel[(G,)](x, qkv, h, act, wqkv, wo, wgu, wd, counter, H=H, HP=triton.next_power_of_2(H),
                                     QKV=QKV, Q=Q, I=I, LAYERS=L, BN1=bns[0], BN2=bns[1], BN3=bns[2], BN4=bns[3],
-                                    LP1=lp(bns[0], H), LP2=lp(bns[1], Q), LP3=lp(bns[2], H), LP4=lp(bns[3], I),
+                                    LP1=prefetch_lines(bns[0], H), LP2=prefetch_lines(bns[1], Q), LP3=prefetch_lines(bns[2], H),
+                                    LP4=prefetch_lines(bns[3], I),
                                     BK=args.block_k, PREFETCH=prefetch, WORK=work, num_warps=args.warps,
                                     num_stages=args.stages)
             name = f"{programs}x{sms} programs, " + ("barriers only" if not work else
