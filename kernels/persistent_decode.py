@@ -86,6 +86,16 @@ def _rows_dot(w_ptr, x_ptr, nw_ptr, rstd, rb, N, K, NORM: tl.constexpr, BN: tl.c
 
 
 @triton.jit
+def _project_add(w_ptr, x_ptr, res_ptr, out_ptr, pid, G, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """This program's blocks of ``out = res + w @ x`` (the product rounded before the add)."""
+    for rb in range(pid, tl.cdiv(N, BN), G):
+        rows, ok, acc = _rows_dot(w_ptr, x_ptr, x_ptr, 1.0, rb, N, K, False, BN, BK)
+        dt = out_ptr.dtype.element_ty
+        out = acc.to(dt).to(tl.float32) + tl.load(res_ptr + rows, mask=ok).to(tl.float32)
+        tl.store(out_ptr + rows, out.to(dt), mask=ok)
+
+
+@triton.jit
 def _attend(qkv_ptr, attn_ptr, k_cache, v_cache, part_acc_ptr, part_ml_ptr, count_ptr, kv_head, split,
             pos, seq_len, slot, block_table_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, scale,
             NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -211,10 +221,7 @@ def _persistent_decode_kernel(
                     BLOCK_KEYS, SPLITS, HAS_NORM, PRECISION)
         grid_sync(counter_ptr, (layer * 5 + 2) * G)
         # 3. s2 = s + Wo attn
-        for rb in range(pid, tl.cdiv(H, BN_O), G):
-            rows, ok, acc = _rows_dot(wo, attn_ptr, n_in_ptr, 1.0, rb, H, Q, False, BN_O, BK_O)
-            out = acc.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(s_ptr + rows, mask=ok).to(tl.float32)
-            tl.store(s2_ptr + rows, out.to(s2_ptr.dtype.element_ty), mask=ok)
+        _project_add(wo, attn_ptr, s_ptr, s2_ptr, pid, G, H, Q, BN_O, BK_O)
         if PREFETCH:
             ask_l2(wgu, pid, G, I, H, BN_GU, LP_GU)
             ask_l2(wgu + I * H, pid, G, I, H, BN_GU, LP_GU)
@@ -232,10 +239,7 @@ def _persistent_decode_kernel(
             ask_l2(wd, pid, G, H, I, BN_D, LP_D)
         grid_sync(counter_ptr, (layer * 5 + 4) * G)
         # 5. s = s2 + Wd act
-        for rb in range(pid, tl.cdiv(H, BN_D), G):
-            rows, ok, acc = _rows_dot(wd, act_ptr, n_in_ptr, 1.0, rb, H, I, False, BN_D, BK_D)
-            out = acc.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(s2_ptr + rows, mask=ok).to(tl.float32)
-            tl.store(s_ptr + rows, out.to(s_ptr.dtype.element_ty), mask=ok)
+        _project_add(wd, act_ptr, s2_ptr, s_ptr, pid, G, H, I, BN_D, BK_D)
         if PREFETCH:
             if layer + 1 < LAYERS:
                 ask_l2(wqkv + QKV * H, pid, G, QKV, H, BN_QKV, LP_QKV)
