@@ -24,6 +24,7 @@ programs one after another) only ``G = 1`` can run: its barriers pass at once.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -284,7 +285,38 @@ def constants(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
                 PREFETCH=prefetch, PRECISION="ieee" if float32 else "tf32")
 
 
-def persistent_decode(programs: int, *args: object, **meta: object) -> None:
-    """Launch the kernel with ``programs`` programs, all of which must be resident at once (its
-    arguments as ``_persistent_decode_kernel``'s, ``meta`` from :func:`constants` plus ``PAGE``)."""
+_FITS: set[tuple] = set()  # (device, programs, compile-time arguments) checked to fit the device at once
+
+
+def resident_programs(kernel: object, device: torch.device) -> int:
+    """How many programs of the compiled ``kernel`` one SM holds at once: its registers (allocated
+    a warp at a time, in 256s), shared memory and threads against the SM's."""
+    kernel._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    regs = -(-kernel.n_regs * 32 // 256) * 256 * warps
+    fits = [getattr(props, "regs_per_multiprocessor", 65536) // max(regs, 1),
+            getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32]
+    if kernel.metadata.shared:
+        fits.append(getattr(props, "shared_memory_per_multiprocessor", 233472) // kernel.metadata.shared)
+    return min(fits)
+
+
+def persistent_decode(programs: int, *args: torch.Tensor | float | int, **meta: object) -> None:
+    """Launch the kernel with ``programs`` programs (its arguments as ``_persistent_decode_kernel``'s,
+    ``meta`` from :func:`constants` plus ``PAGE``). Its programs wait for each other, so all of them
+    must be resident at once: on a GPU the first launch of each shape compiles the kernel and
+    refuses a count the device cannot hold together (a launch would hang)."""
+    first = args[0]
+    if isinstance(first, torch.Tensor) and first.is_cuda:
+        key = (first.device, programs, tuple(sorted(meta.items())))
+        if key not in _FITS:
+            compiled = _persistent_decode_kernel.warmup(*args, grid=(programs,), **meta, num_warps=4)
+            sms = torch.cuda.get_device_properties(first.device).multi_processor_count
+            most = sms * resident_programs(compiled, first.device)
+            if programs > most:
+                raise RuntimeError(f"the persistent decode kernel's {programs} programs cannot all be resident on "
+                                   f"{torch.cuda.get_device_name(first.device)} (at most {most} at once: "
+                                   f"{compiled.n_regs} registers a thread); set fewer persistent_programs")
+            _FITS.add(key)
     _persistent_decode_kernel[(programs,)](*args, **meta, num_warps=4)
