@@ -33,8 +33,7 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
              ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs),
-             ("moe_down_groups", args.moe_down_groups), ("persistent_decode", args.persistent_decode),
-             ("persistent_programs", args.persistent_programs))
+             ("moe_down_groups", args.moe_down_groups))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -124,10 +123,6 @@ def main() -> None:
     parser.add_argument("--moe-down-groups", type=int, default=None,
                         help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
                         "one-token MoE's down projection; 1 by default)")
-    parser.add_argument("--persistent-decode", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's persistent_decode option (a batch-1 step's layers in one kernel)")
-    parser.add_argument("--persistent-programs", type=int, default=None,
-                        help="the GPU runner's persistent_programs option (the persistent kernel's programs an SM)")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

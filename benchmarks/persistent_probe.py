@@ -29,8 +29,6 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_bandwidth, report, save  # noqa: E402
 
-from specloop.kernels.persistent_decode import ask_l2, block_rows, grid_sync, prefetch_lines  # noqa: E402
-
 SHAPES = {  # hidden, q size, kv size, intermediate, layers
     "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
     "llama3-8b": (4096, 4096, 1024, 14336, 32),
@@ -38,9 +36,48 @@ SHAPES = {  # hidden, q size, kv size, intermediate, layers
 
 
 @triton.jit
+def grid_sync(counter_ptr, target):
+    """Arrive at a grid-wide barrier (this program's stores ordered before), then wait until
+    ``target`` arrivals have been counted."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    while tl.load(counter_ptr, volatile=True) < target:
+        pass
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def ask_l2(w_ptr, pid, G, N, K, BN: tl.constexpr, LP: tl.constexpr):
+    """Ask L2 for the rows of ``w`` (``[N, K]``, 16-bit) this program multiplies next: blocks of
+    ``BN`` rows, ``LP`` 128-byte lines a block (a power of two; the requests past a block's lines
+    repeat its last)."""
+    lines = BN * K // 64
+    offs = tl.minimum(tl.arange(0, LP), lines - 1) * 64
+    for rb in range(pid, tl.cdiv(N, BN), G):
+        base = w_ptr + rb.to(tl.int64) * BN * K
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [base + offs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+def block_rows(n: int, programs: int, most: int = 64) -> int:
+    """Rows a block of a projection's ``n``: the largest power of two (at most ``most``) that still
+    gives every one of ``programs`` a block."""
+    bn = 1
+    while n // (bn * 2) >= programs and bn < most:
+        bn *= 2
+    return bn
+
+
+def prefetch_lines(bn: int, k: int) -> int:
+    """L2 requests for a block of ``bn`` rows of ``k`` 16-bit weights, rounded up to a power of two."""
+    return triton.next_power_of_2(max(1, bn * k // 64))
+
+
+@triton.jit
 def _rstd(x_ptr, K, KP: tl.constexpr, eps):
     ks = tl.arange(0, KP)
-    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg")
     return 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
 
 
@@ -50,7 +87,7 @@ def _rows(w_ptr, x_ptr, scale, rb, K, BN: tl.constexpr, BK: tl.constexpr):
     acc = tl.zeros([BN], tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + ks).to(tl.float32) * scale
+        x = tl.load(x_ptr + ks, cache_modifier=".cg").to(tl.float32) * scale
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
     return rows, acc
@@ -81,7 +118,7 @@ def _chain_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_
         if WORK:  # h = x + Wo qkv[:q]
             for rb in range(pid, H // BN2, G):
                 rows, acc = _rows(wo, qkv_ptr, 1.0, rb, Q, BN2, BK)
-                tl.store(h_ptr + rows, acc + tl.load(x_ptr + rows))
+                tl.store(h_ptr + rows, acc + tl.load(x_ptr + rows, cache_modifier=".cg"))
         if PREFETCH:
             ask_l2(wgu, pid, G, I, H, BN3, LP3)
             ask_l2(wgu + I * H, pid, G, I, H, BN3, LP3)
@@ -98,7 +135,7 @@ def _chain_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_
         if WORK:  # x = h + Wd act
             for rb in range(pid, H // BN4, G):
                 rows, acc = _rows(wd, act_ptr, 1.0, rb, I, BN4, BK)
-                tl.store(x_ptr + rows, acc + tl.load(h_ptr + rows))
+                tl.store(x_ptr + rows, acc + tl.load(h_ptr + rows, cache_modifier=".cg"))
         if PREFETCH:
             if layer + 1 < LAYERS:
                 ask_l2(wqkv + QKV * H, pid, G, QKV, H, BN1, LP1)

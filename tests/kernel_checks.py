@@ -618,7 +618,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.ngram as ngram
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.pdl as pdl
-    import specloop.kernels.persistent_decode as persistent
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.verify as verify
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -642,7 +641,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram, persistent)
+               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -748,18 +747,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
                                       torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm,
                                       down_tile=(*skinny_moe.DOWN_TILE, groups))
-            # A batch-1 step's layers in one kernel: qwen3-0.6b (q/k norms) and llama3-8b with a
-            # q/k/v bias (Qwen2's), caches past 2^31 elements from one layer to the next.
-            for hidden, heads, inter, layers, norm, stride in ((1024, 16, 3072, 28, True, 1 << 20),
-                                                               (4096, 32, 14336, 32, False, 1 << 32)):
-                z = lambda n, dt=dtype: torch.zeros(n, dtype=dt)  # noqa: E731
-                meta = persistent.constants(hidden, heads, 8, 128, inter, layers, 132, 16, 64, norm, not norm,
-                                            prefetch=True, float32=False)
-                persistent.persistent_decode(
-                    132, z(hidden), z(hidden), z(8), z(8), z(8), z(8, torch.float32), z(8, torch.float32),
-                    z(8, torch.int32), z(8, torch.int32), *(z(8) for _ in range(9)), z(8), stride, 1 << 20,
-                    z(8, torch.int32), z(8, torch.int32), z(8, torch.int64), z(8, torch.int64), cos, sin, 1e-6, 0.08,
-                    PAGE=16, **meta)
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

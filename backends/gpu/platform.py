@@ -40,11 +40,7 @@ count leaves the chip short of programs, with more splits, replayed when the lon
 each split two tiles, ``backends.gpu.graphs``; dense attention only) and ``moe_down_groups`` (by
 default ``MOE_DOWN_GROUPS`` where the kernel runs: the one-token MoE's down projection spreads a
 token's experts over that many programs a block of hidden units, ``kernels.skinny_moe``; other than
-1, refused where that kernel does not run)
-and ``persistent_decode`` (default off, not yet measured: a batch-1 decode step's decoder layers in
-one kernel of programs that meet at grid-wide barriers, ``backends.gpu.persistent``; refused for a
-model outside the Llama family, one that taps layers for EAGLE-3, and without CUDA graphs) with
-``persistent_programs`` (its programs an SM, default 1).
+1, refused where that kernel does not run).
 Any other key is refused.
 """
 
@@ -71,7 +67,6 @@ from ..runner import ModelRunner
 from ..sampling_stage import SamplingStage
 from .fast_sampling import FastSamplingStage
 from .graphs import GraphExecutor
-from .persistent import PersistentDecoder
 from .persistent_batch import PersistentBatch
 from .batch_invariant import make_batch_invariant
 from .triton_attention import TritonAttentionBackend
@@ -79,10 +74,11 @@ from .triton_attention import TritonAttentionBackend
 logger = logging.getLogger("specloop")
 
 # The one-token MoE's down kernel spreads a token's experts over this many programs a block by
-# default (``moe_down_groups``): on the H200, DeepSeek-V2-Lite's MoE layer alone took 45.9 us
-# against 57.9 with one, and its batch-1 decode ran 366.5 / 373.3 tok/s against 360.5 / 360.1
-# (two pairs in turn, one call).
-MOE_DOWN_GROUPS = 4
+# default (``moe_down_groups``; one pick a program for DeepSeek-V2-Lite's 6 + 2, the same bits in
+# half precision as one program): on the H200 V2-Lite's MoE layer alone took 41.3 us against 45.9
+# with 4 and 57.9 with 1, and its batch-1 decode ran 381.8 / 377.9 tok/s against 359.3 / 351.6
+# with 1 (in turn, one call; 4 against 1, another call: 366.5 / 373.3 against 360.5 / 360.1).
+MOE_DOWN_GROUPS = 8
 
 
 class GpuPlatform:
@@ -90,7 +86,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "persistent_decode", "persistent_programs")
+               "long_context_graphs", "moe_down_groups")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -131,15 +127,6 @@ class GpuPlatform:
             raise ValueError(f"plugin_options['gpu']['moe_down_groups'] must be an integer from 1 to 64 (programs "
                              f"over a token's experts in the one-token MoE's down projection), got {groups!r}")
         self.moe_down_groups = groups
-        self.persistent_decode = bool(opts.get("persistent_decode", False))
-        per_sm = opts.get("persistent_programs", 1)
-        if isinstance(per_sm, bool) or not isinstance(per_sm, int) or not 1 <= per_sm <= 8:
-            raise ValueError(f"plugin_options['gpu']['persistent_programs'] must be an integer from 1 to 8 (the "
-                             f"persistent decode kernel's programs an SM), got {per_sm!r}")
-        if "persistent_programs" in opts and not self.persistent_decode:
-            raise ValueError("plugin_options['gpu']['persistent_programs'] sets the persistent decode kernel's "
-                             "programs, which persistent_decode is off for")
-        self.persistent_programs = per_sm
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -176,27 +163,14 @@ class GpuPlatform:
             # Ragged steps replay graphs too, but for the latent (MLA) and MoE kernels, whose grids
             # follow the step's shape, and in batch-invariant mode.
             ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
-            decode_one = self._persistent(runner) if self.persistent_decode else None
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc), ragged=ragged,
                                      sample_in_graph=self.graph_sampling and runner.tp.size == 1,
                                      long_splits=functools.partial(backend.long_decode_splits, mc)
-                                     if self.long_context_graphs else None, decode_one=decode_one)
-        elif self.persistent_decode:
-            raise ValueError("plugin_options['gpu']['persistent_decode'] runs in the batch-1 decode graph, which "
-                             "this engine does not capture (no CUDA device, cuda_graphs or fused off, or another "
-                             "attention backend)")
+                                     if self.long_context_graphs else None)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            device_rows=batch if self.device_proposals else None)
-
-    def _persistent(self, runner: ModelRunner) -> PersistentDecoder:
-        if runner.aux_layers:
-            raise ValueError("plugin_options['gpu']['persistent_decode'] does not give the layers' hidden states "
-                             "EAGLE-3 reads")
-        sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
-        logger.info("persistent decode kernel at batch 1, %d programs", sms * self.persistent_programs)
-        return PersistentDecoder(runner.model, runner.ops, runner.device, sms * self.persistent_programs)
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
