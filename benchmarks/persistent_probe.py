@@ -12,8 +12,10 @@ projection) in one CUDA graph, the bandwidth time of the weights, and the barrie
 
     python benchmarks/persistent_probe.py --shapes qwen3-0.6b,llama3-8b --out out/bench
 
-Checks its own result against float32 torch (a broken barrier reads stale activations) and the
-counter's final value (one arrival a program a barrier).
+Checks its own result against float64 torch (a broken barrier, or activations read through an SM's
+L1 after another SM rewrote them, reads stale values: the activations are read past L1) and the
+counter's final value (one arrival a program a barrier). On the H200 the few-rows kernels won
+(docs/benchmarks.md, session of 2026-12-05).
 """
 
 from __future__ import annotations
