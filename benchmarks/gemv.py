@@ -129,7 +129,7 @@ def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None 
                     print(f"  {kernel} tile {tile}: {type(e).__name__}", file=sys.stderr)
             best[kernel] = min(times, key=times.get)
             row[f"{kernel}_tiles"] = {str(t): v for t, v in times.items()}
-            print(f"  {kernel}: default {default} {times.get(default, times.get((*default, 1), float("nan"))):.1f} us, best {best[kernel]} "
+            print(f"  {kernel}: default {default} {times.get(default, times.get((*default, 1), float('nan'))):.1f} us, best {best[kernel]} "
                   f"{times[best[kernel]]:.1f} us; " + ", ".join(f"{t}: {v:.1f}" for t, v in sorted(times.items())),
                   flush=True)
         both = time_call(lambda i: skinny_moe(x, w13, w2, weights, draws[i], gate_up_tile=best["gate_up"],

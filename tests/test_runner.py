@@ -522,4 +522,3 @@ def test_host_memory_keeps_within_a_cgroup_limit(monkeypatch) -> None:
     assert kv_memory.host_memory() == (8 * gib, 6 * gib)
     del files["/sys/fs/cgroup/memory.max"]  # no cgroup v2
     assert kv_memory.host_memory() == (8 * gib, 6 * gib)
-
