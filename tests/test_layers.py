@@ -129,3 +129,10 @@ def test_the_triton_kernels_import_nothing_of_the_engine():
 def test_no_file_is_oversized(module: str) -> None:
     lines = len(FILES[module].read_text().splitlines())
     assert lines <= MAX_FILE_LINES, f"{FILES[module].relative_to(ROOT)} has {lines} lines"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_benchmark_scripts_parse_on_this_python(script: str) -> None:
+    # The benchmarks run on the GPU machine's Python, the tests on this one: a script this one
+    # cannot parse (a 3.12-only f-string, say) fails here, not halfway through a device session.
+    compile((ROOT / "benchmarks" / script).read_text(), script, "exec")
