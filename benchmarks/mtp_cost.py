@@ -13,6 +13,11 @@ random MTP layer (``common.SHAPES["deepseek-v2-lite"]``).
   float32 (in bf16 the sequences may part at a near-tie: reported, not an error). ``--token-map N``
   also times MTP with a token map of N ids (``speculative_config["token_map"]``: the draft step
   reads N rows of the head), the engines without and with it in turn, ``--rounds`` times each.
+* The same ratio as the engine pays it ("pipelined", CUDA only): each engine decodes the request
+  again without synchronising between steps (the host prepares a step while the device runs the
+  last, as in serving), the target's step is that run's seconds a step, and a proposal's cost is
+  the device time between CUDA events recorded around its launch in the stream, behind the
+  verification it follows (the host's launch work overlaps that verification).
 
     python benchmarks/mtp_cost.py --out out/bench            # H200
     python benchmarks/mtp_cost.py --smoke                     # CPU, the tiny DeepSeek shape
@@ -39,29 +44,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_times(llm: Any, prompt: list[int], output_len: int, device: torch.device) -> list[float]:
-    """Seconds of every engine step of one request, driven like ``LLM.generate`` does."""
+def step_times(llm: Any, prompt: list[int], output_len: int, device: torch.device, synced: bool = True
+               ) -> list[float]:
+    """Seconds of every engine step of one request, driven like ``LLM.generate`` does. ``synced``:
+    each step timed alone, the device synchronised before and after it; otherwise the steps run as
+    the engine runs them (the host preparing a step while the device computes the last) and one
+    figure comes back: the whole run's seconds a step after the first (the prefill)."""
     from specloop import SamplingParams
     from specloop.kernel.request import Request
 
     core = llm.core
     core.add_requests([Request(f"r{time.monotonic_ns()}", prompt,
                                SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))])
-    times, tokens = [], []
+    times, tokens, steps = [], [], 0
+    start = 0.0
     while core.has_unfinished_requests():
-        sync(device)
+        if synced:
+            sync(device)
         t = time.perf_counter()
         out = core.step()
-        sync(device)
-        times.append(time.perf_counter() - t)
+        if synced:
+            sync(device)
+            times.append(time.perf_counter() - t)
+        elif steps == 0:
+            sync(device)
+            start = time.perf_counter()
+        steps += 1
         tokens.extend(tok for o in out.outputs for tok in o.new_token_ids)
         core.post_step()
+    if not synced:
+        sync(device)
+        times = [(time.perf_counter() - start) / max(1, steps - 1)]
     step_times.tokens = tokens  # type: ignore[attr-defined]
     return times
 
 
-def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device, target: list[float]
-            ) -> tuple[dict[str, Any], list[int], list[float]]:
+def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device, target: list[float],
+            target_pipelined: float = 0.0) -> tuple[dict[str, Any], list[int], list[float]]:
     """Every MTP proposal of one greedy request on ``spec`` timed (device-synchronised), against the
     target engine's steps ``target``; returns the figures, the tokens and the proposal times."""
     proposer = spec.core.runner.drafter.proposer
@@ -80,7 +99,20 @@ def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device,
     proposer.propose = timed
     launch = proposer.launch
 
+    in_stream: list[tuple[Any, Any]] = []  # (start, end) events of launches in the unsynchronised run
+
     def timed_launch(step: Any) -> Any:  # a proposal fed from the device (one graph): its whole run
+        if timed_launch.pipelined and device.type == "cuda":  # type: ignore[attr-defined]
+            # No synchronisation: the start event enters the stream behind the verification, which
+            # the device is still computing while the host prepares this launch, so the events
+            # span the proposal's device time as the engine pays it.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = launch(step)
+            end.record()
+            if out is not None:
+                in_stream.append((start, end))
+            return out
         sync(device)
         t = time.perf_counter()
         with torch.profiler.record_function("mtp.launch"):
@@ -92,6 +124,7 @@ def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device,
         return out
 
     timed_launch.count = 0  # type: ignore[attr-defined]
+    timed_launch.pipelined = False  # type: ignore[attr-defined]
     proposer.launch = timed_launch
     step_times(spec, prompt, 8, device)  # warm-up
     draft_times.clear()
@@ -99,15 +132,29 @@ def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device,
     spec_steps = step_times(spec, prompt, output_len, device)
     got = list(step_times.tokens)  # type: ignore[attr-defined]
     metrics = spec.get_metrics()
+    draft_times = list(draft_times)  # the synchronised run's (the next run's calls append to the old list)
+    timed_launch.pipelined = True  # type: ignore[attr-defined]
+    spec_pipelined = step_times(spec, prompt, output_len, device, synced=False)[0]
+    proposer.launch, proposer.propose = launch, propose
+    device_ms = sorted(s.elapsed_time(e) for s, e in in_stream[1:])
     decode = sorted(target[1:])  # the first step is the prefill
-    return {
+    result = {
         "target decode step ms (median)": 1e3 * float(np.median(decode)),
         "MTP draft step ms (median)": 1e3 * float(np.median(draft_times[1:])),
         "MTP / target step": float(np.median(draft_times[1:]) / np.median(decode)),
         "MTP proposals timed (launched from the device / called)": f"{timed_launch.count} / {len(draft_times)}",
         "spec engine step ms (median)": 1e3 * float(np.median(spec_steps[1:])),
+        "spec engine step ms, pipelined": 1e3 * spec_pipelined,
         "draft acceptance (random weights)": metrics.get("spec_acceptance_rate"),
-    }, got, draft_times
+    }
+    if device_ms and target_pipelined:
+        result.update({
+            "target decode step ms, pipelined": 1e3 * target_pipelined,
+            "MTP draft step device ms in stream (median)": float(np.median(device_ms)),
+            "MTP / target step, pipelined": float(np.median(device_ms)) / (1e3 * target_pipelined),
+            "MTP proposals timed in stream": len(device_ms),
+        })
+    return result, got, draft_times
 
 
 def profile_steps(spec: Any, prompt: list[int], steps: int, device: torch.device, path: str) -> None:
@@ -177,6 +224,7 @@ def main() -> None:
     step_times(plain, prompt, 8, device)  # warm-up
     target = step_times(plain, prompt, args.output_len, device)
     want = list(step_times.tokens)  # type: ignore[attr-defined]
+    target_pipelined = step_times(plain, prompt, args.output_len, device, synced=False)[0]
     plain.core.shutdown()
     del plain, runner
     if device.type == "cuda":
@@ -200,7 +248,7 @@ def main() -> None:
                 json.dump(list(range(min(ids, cfg.vocab_size))), f)
         spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "token_map": token_map},
                    **engine)
-        result, got, draft_times = mtp_run(spec, prompt, args.output_len, device, target)
+        result, got, draft_times = mtp_run(spec, prompt, args.output_len, device, target, target_pipelined)
         result = {"token map": f"{ids} of {cfg.vocab_size} ids" if ids else "none (whole vocabulary)", **result,
                   "greedy identical": got == want,
                   "tokens equal before they part": next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
@@ -214,8 +262,8 @@ def main() -> None:
         summary = {}
         for ids in (0, args.token_map):
             runs = [r for (r, _, _), i in zip(results, order) if i == ids]
-            summary[f"token map {ids or 'none'}: MTP / target step, each run"] = [round(r["MTP / target step"], 4)
-                                                                                 for r in runs]
+            for key in ("MTP / target step", "MTP / target step, pipelined"):
+                summary[f"token map {ids or 'none'}: {key}, each run"] = [round(r[key], 4) for r in runs if key in r]
         report("MTP step cost with and without the token map", summary)
     save(args.out, "mtp_cost", {"benchmark": "mtp_cost", "env": env, "config": vars(args), "kv": kv,
                                 "result": result, "target_steps_s": target, "draft_steps_s": draft_times,
