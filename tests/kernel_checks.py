@@ -498,24 +498,25 @@ def check_verify(device: str, dtype: torch.dtype) -> None:
             want_tokens[s, at] = int(top[i * q + a - 1])
             want_tokens[s, at + 1:at + 1 + k] = drafts[i].to(torch.int32)
             want_lag[s] = q - a
-        accepted = accept(input_ids.to(device), top.to(device), positions.to(device), q, req_slots.to(device),
-                          tokens, lag)
+        input_ids, top, positions, req_slots, tokens, lag, drafts = (
+            t.to(device) for t in (input_ids, top, positions, req_slots, tokens, lag, drafts))
+        accepted = accept(input_ids, top, positions, q, req_slots, tokens, lag)
         write_drafts(drafts, accepted, positions, q, req_slots, tokens)
-        assert torch.equal(accepted, want_accepted), (q, accepted, want_accepted)
-        assert torch.equal(tokens, want_tokens) and torch.equal(lag, want_lag), (q, k)
+        assert torch.equal(accepted.cpu(), want_accepted), (q, accepted, want_accepted)
+        assert torch.equal(tokens.cpu(), want_tokens) and torch.equal(lag.cpu(), want_lag), (q, k)
         # The next step, planned as if each accepted all q rows, for requests 0, 2, 4 (flagged).
-        lagged = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32)
-        starts = (first + q).to(torch.int32)
+        lagged = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int32, device=device)
+        starts = (first.to(device) + q).to(torch.int32)
         seq_lens = starts + q
-        qsl = torch.arange(n + 1, dtype=torch.int32) * q
-        table = torch.arange(slots * 4, dtype=torch.int32).view(slots, 4)
-        ids, pos, slot_mapping = (torch.zeros(n * q, dtype=torch.int64) for _ in range(3))
+        qsl = torch.arange(n + 1, dtype=torch.int32, device=device) * q
+        table = torch.arange(slots * 4, dtype=torch.int32, device=device).view(slots, 4)
+        ids, pos, slot_mapping = (torch.zeros(n * q, dtype=torch.int64, device=device) for _ in range(3))
         back = lagged * lag[req_slots.long()]
         want_starts, want_lens = starts - back, seq_lens - back
         prepare_inputs(tokens, table, req_slots, starts, qsl, 16, ids, pos, slot_mapping, lag=lag, lagged=lagged,
                        seq_lens=seq_lens)
         assert torch.equal(starts, want_starts) and torch.equal(seq_lens, want_lens), (q, starts, want_starts)
-        want_pos = (want_starts.long()[:, None] + torch.arange(q)).reshape(-1)
+        want_pos = (want_starts.long()[:, None] + torch.arange(q, device=device)).reshape(-1)
         assert torch.equal(pos, want_pos)
         assert torch.equal(ids, tokens[req_slots.long().repeat_interleave(q), want_pos].long())
 
