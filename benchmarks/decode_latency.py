@@ -33,7 +33,7 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
              ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs),
-             ("moe_down_groups", args.moe_down_groups), ("early_weights", args.early_weights))
+             ("moe_down_groups", args.moe_down_groups))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -120,9 +120,6 @@ def main() -> None:
     parser.add_argument("--long-context-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's long_context_graphs option (decode graphs with more splits, replayed "
                         "over long contexts; off by default)")
-    parser.add_argument("--early-weights", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's early_weights option (one-row projections load their first weight "
-                        "chunk before waiting for the kernel before; off by default)")
     parser.add_argument("--moe-down-groups", type=int, default=None,
                         help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
                         "one-token MoE's down projection; 8 where it runs by default)")

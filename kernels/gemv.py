@@ -16,10 +16,12 @@ unfused ops round: RMSNorm with the residual add (:func:`skinny_norm_linear`: ev
 recomputes its rows' statistics, reading them whole from L2; the first also writes the residual
 sum) and SiLU-and-mul (:func:`skinny_gated_linear`).
 
-The tile (``BLOCK_K``, warps, stages: ``DEFAULT_TILE``, ``DOT_TILE`` for the tensor-core kernel),
-``BLOCK_N`` and the split are parameters; ``benchmarks/gemv.py`` times them against cuBLAS. The GPU
-runner uses this kernel in steps of up to :func:`routed_rows` rows (its ``skinny_gemv`` option, on
-by default; ``skinny_rows`` sets the rows).
+The tile (``BLOCK_K``, warps, stages) is a parameter, ``DEFAULT_TILE`` (``DOT_TILE`` for the
+tensor-core kernel below) unless given, and so are
+``BLOCK_N`` and the split; ``benchmarks/gemv.py`` times the choices against cuBLAS at model shapes. The GPU runner uses this
+kernel for its linear layers in steps of up to :func:`routed_rows` rows (the ``skinny_gemv``
+option, on by default; ``plugin_options={"gpu": {"skinny_gemv": False}}`` turns it off; its
+``skinny_rows`` option sets the rows).
 
 From ``DOT_ROWS`` rows a second kernel (``kernels.rows_dot``) pads the rows to 16 and multiplies
 a weight chunk with all of them on tensor cores (``tl.dot``), with the same prologues, split and
@@ -53,25 +55,14 @@ DOT_ROWS = 3
 # faster. Two rows (``SMALL_ROUTED_ROWS``) for a model of small projections, whose step is launch
 # and latency bound (the GPU runner's rule, ``backends.gpu.platform.default_skinny_rows``): at batch
 # 2 qwen3-0.6b decoded 1,754-1,757 tok/s so against cuBLAS's 1,401-1,464, but llama3-8b 292 against
-# 415, its long projections bound by the row loop's reductions. ``skinny_rows`` routes up to that
-# many (:func:`set_routed_rows`). A mixture of experts routes one row (``MOE_ROUTED_ROWS``): its
-# few-tokens kernels time as the grouped GEMMs do from two tokens on.
+# 415, its long projections bound by the row loop's reductions. From three rows the tensor-core
+# kernel would take them, slower than cuBLAS inside the model. The GPU runner's ``skinny_rows``
+# option routes steps of up to that many rows (at most ``MAX_ROWS``; :func:`set_routed_rows`). A mixture of experts routes one row (``MOE_ROUTED_ROWS``):
+# its few-tokens kernels time as the grouped GEMMs do from two tokens on.
 ROUTED_ROWS = 1
 SMALL_ROUTED_ROWS = 2
 MOE_ROUTED_ROWS = 1
 _routed_rows = ROUTED_ROWS
-
-
-_early_weights = False  # off until measured on a GPU
-
-
-def set_early_weights(on: bool) -> None:
-    """Each one-row program loads its first weight chunk into registers before it waits for the
-    kernel before it (under programmatic dependent launch it only asks L2 otherwise), taking the
-    chunk's latency off the path after the wait: the GPU runner's ``early_weights`` option (the
-    process's, as a CUDA graph captures what it is at capture)."""
-    global _early_weights
-    _early_weights = bool(on)
 
 
 def routed_rows() -> int:
@@ -119,36 +110,18 @@ def _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K,
 
 
 @triton.jit
-def _chunk_products(acc, w, x_ptr, r_ptr, nw_ptr, rows, rstds, k0, ks, k_ok, stride_xm, M, K, M_PAD: tl.constexpr,
-                    PRE: tl.constexpr, HAS_RES: tl.constexpr):
-    """``acc`` plus weight chunk ``w`` (float32) times each row's inputs ``k0 + ks``, a row at a time."""
-    for m in tl.static_range(M_PAD):
-        rstd = tl.sum(tl.where(rows == m, rstds, 0.0), 0)
-        xm = _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K, PRE, HAS_RES)
-        acc = tl.where(rows[:, None] == m, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_ptr, count_ptr, M, N, K, k_per_split,
                  stride_xm, stride_wn, stride_om, eps,
                  M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr, HAS_RES: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINE: tl.constexpr, LAST_SUMS: tl.constexpr, PDL: tl.constexpr,
-                 EARLY: tl.constexpr):
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, LAST_SUMS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # While the kernel before still runs: this program's weights into L2 (PREFETCH), and with
-    # EARLY its first chunk into registers, then the wait.
-    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL,
-                                                 not EARLY)
+    # While the kernel before still runs: this program's weights into L2 (PREFETCH).
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
-    if EARLY:
-        first = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :],
-                        mask=col_ok[:, None] & ((k_start + ks) < k_end)[None, :], other=0.0)
-        wait_previous(PDL)
     # RMSNorm's statistics: every program reads its rows whole (from L2: a few KB each); the first
     # also writes the residual sum, which the layer carries on.
     rstds = tl.zeros([M_PAD], tl.float32)
@@ -168,17 +141,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, final_p
                 ss += vf * vf
             rstds = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps), rstds)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)
-    k_next = k_start
-    if EARLY:  # the first chunk, loaded before the wait (above)
-        acc = _chunk_products(acc, first.to(tl.float32), x_ptr, r_ptr, nw_ptr, rows, rstds, k_start,
-                              ks, (k_start + ks) < k_end, stride_xm, M, K, M_PAD, PRE, HAS_RES)
-        k_next = k_start + BLOCK_K
-    for k0 in range(k_next, k_end, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + ks) < k_end
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k0 + ks)[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc = _chunk_products(acc, w, x_ptr, r_ptr, nw_ptr, rows, rstds, k0, ks, k_ok, stride_xm, M, K, M_PAD, PRE,
-                              HAS_RES)
+        for m in tl.static_range(M_PAD):  # one row at a time: the tile stays [BLOCK_N, BLOCK_K]
+            rstd = tl.sum(tl.where(rows == m, rstds, 0.0), 0)
+            xm = _input_chunk(x_ptr, r_ptr, nw_ptr, m, k0, ks, k_ok, stride_xm, rstd, M, K, PRE, HAS_RES)
+            acc = tl.where(rows[:, None] == m, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
     store_rows(acc, out_ptr, b_ptr, rows, row_ok, cols, col_ok, M, N, stride_om, HAS_BIAS, SPLIT)
     if SPLIT > 1:
         if LAST_SUMS:  # the column block's last slice to arrive adds them all, in order
@@ -339,7 +309,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
             m, n, k, k_per_split, x2.stride(0), weight.stride(0), out.stride(0),
             eps, M_PAD=triton.next_power_of_2(m), HAS_BIAS=has_bias, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k,
             PRE=pre, HAS_RES=residual is not None, PREFETCH=prefetch, LINE=pdl.LINE_BYTES // weight.element_size(),
-            LAST_SUMS=by_last, EARLY=_early_weights, num_warps=num_warps, num_stages=num_stages, **launch)
+            LAST_SUMS=by_last, num_warps=num_warps, num_stages=num_stages, **launch)
     if split > 1 and not by_last:
         block = 1024
         _sum_splits_kernel[(m, triton.cdiv(n, block))](target, bias if has_bias else target, out, m, n, out.stride(0),

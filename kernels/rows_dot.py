@@ -20,10 +20,10 @@ from .pdl import prefetch_l2, wait_previous
 
 @triton.jit
 def program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-                  LINE: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
+                  LINE: tl.constexpr, PDL: tl.constexpr):
     """A few-rows program's output features (``cols``, ``col_ok``) and slice of ``K``
     (``k_start``, ``k_end``); with ``PREFETCH``, its weights asked of L2 while the kernel before
-    still runs, then (``WAIT``; else the caller waits) the wait for that kernel (``kernels.pdl``)."""
+    still runs, then the wait for that kernel (``kernels.pdl``)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     k_start = tl.program_id(1) * k_per_split
@@ -32,8 +32,7 @@ def program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N: tl.constexpr, PR
         starts = k_start + tl.arange(0, PREFETCH) * LINE
         ok = col_ok[:, None] & (starts < k_end)[None, :]
         prefetch_l2(w_ptr + tl.where(ok, cols[:, None].to(tl.int64) * stride_wn + starts[None, :], 0))
-    if WAIT:
-        wait_previous(PDL)
+    wait_previous(PDL)
     return cols, col_ok, k_start, k_end
 
 
@@ -83,8 +82,7 @@ def _rows_dot_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, b_ptr, out_ptr, M, 
     """:func:`_gemv_kernel` for several rows: the rows padded to one ``M_TILE`` (16) and multiplied
     on tensor cores, every row of a weight chunk at once (the per-row kernel reduces each row of
     each chunk across the tile, which costs more than the loads from three rows on)."""
-    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL,
-                                                 True)
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, N, K, k_per_split, stride_wn, BLOCK_N, PREFETCH, LINE, PDL)
     rows = tl.arange(0, M_TILE)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)

@@ -335,20 +335,6 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
     finally:
         last_sums.set_enabled(False)
-    # The first weight chunk loaded before the wait (``early_weights``): the same bits, with one
-    # chunk a slice, several, a ragged last one, and each prologue.
-    import specloop.kernels.gemv as gemv
-
-    calls += (lambda: skinny_linear(x, w, b, tile=(64, 4, 2), block_n=4, split=1, num_sms=4, dot=False),
-              lambda: skinny_linear(x[:1], w, tile=(512, 4, 2), split=2, num_sms=4, dot=False))
-    try:
-        for call in calls:
-            gemv.set_early_weights(False)
-            want = call()
-            gemv.set_early_weights(True)
-            assert torch.equal(call(), want), "loading the first weight chunk early changed the product"
-    finally:
-        gemv.set_early_weights(False)
     # Per-head products of one token (latent attention's W_UK and W_UV): weights contiguous along
     # the outputs, and a transposed view contiguous along the reduction, as the model holds them.
     from specloop.kernels.gemv import head_gemv
@@ -696,15 +682,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                     last_sums.set_enabled(False)
                 gemv.skinny_linear(torch.randn(rows, 1024, dtype=dtype), torch.randn(151936, 1024, dtype=dtype),
                                    tile=tile, dot=False)
-                gemv.set_early_weights(True)  # the first weight chunk loaded before the wait
-                try:
-                    gemv.skinny_linear(torch.randn(rows, 3072, dtype=dtype), w, tile=tile, block_n=4, split=2, dot=False)
-                    h = torch.randn(rows, 1024, dtype=dtype)
-                    gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype), tile=tile,
-                                            dot=False)
-                    gemv.skinny_gated_linear(torch.randn(rows, 6144, dtype=dtype), w, tile=tile, dot=False)
-                finally:
-                    gemv.set_early_weights(False)
                 h = torch.randn(rows, 1024, dtype=dtype)
                 gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(4096, 1024, dtype=dtype), tile=tile,
                                         dot=False)

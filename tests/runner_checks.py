@@ -151,11 +151,9 @@ def check_few_rows_decode(device: str, variant: str) -> None:
 def check_launch_options(device: str, variant: str, options: tuple[str, ...] = ("rope_in_attention",)) -> None:
     """The GPU options that save launches (``rope_in_attention``: a decode step's q/k norms, rotary
     embedding and KV write inside the attention kernel; ``last_sums``: split sums added by the last
-    program to finish) and the one that moves a weight load (``early_weights``: before the wait for
-    the kernel before) decode two requests in float16 to the tokens of the separate kernels, and
+    program to finish) decode two requests in float16 to the tokens of the separate kernels, and
     with ``rope_in_attention`` the decode steps take the fused path (prefill steps do not)."""
     import specloop.backends.gpu.triton_attention as pa
-    import specloop.kernels.gemv as gemv
     import specloop.kernels.last_sums as last_sums
 
     model = tiny(variant)
@@ -183,8 +181,6 @@ def check_launch_options(device: str, variant: str, options: tuple[str, ...] = (
             outs[on] = {rid: plans.reqs[rid].tokens for rid in "ab"}
             if "rope_in_attention" in options:
                 assert any(fused) == on and (not on or fused.count(True) >= 8), (on, fused)
-            if "early_weights" in options:
-                assert gemv._early_weights == on
             if "last_sums" in options:
                 assert last_sums.enabled() == on
                 assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
@@ -192,7 +188,6 @@ def check_launch_options(device: str, variant: str, options: tuple[str, ...] = (
     finally:
         pa.paged_attention = attention
         last_sums.set_enabled(False)
-        gemv.set_early_weights(False)
     assert outs[True] == outs[False], (variant, options, outs)
 
 

@@ -86,8 +86,7 @@ def test_decode_graphs_draw_the_torch_runners_tokens() -> None:
     rc.check_decode_graph_draws("cuda")
 
 
-@pytest.mark.parametrize("options", [("rope_in_attention",), ("last_sums",), ("rope_in_attention", "last_sums"),
-                                     ("early_weights",)],
+@pytest.mark.parametrize("options", [("rope_in_attention",), ("last_sums",), ("rope_in_attention", "last_sums")],
                          ids="+".join)
 @pytest.mark.parametrize("variant", ["qwen3", "llama"])
 def test_launch_options_decode_the_same_tokens(variant: str, options: tuple[str, ...]) -> None:

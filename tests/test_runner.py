@@ -263,13 +263,10 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
 
     assert GpuPlatform(EngineConfig()).graph_sampling is True
     assert GpuPlatform(EngineConfig(plugin_options={"gpu": {"graph_sampling": False}})).graph_sampling is False
-    # Off until measured faster on a GPU: rotary inside decode attention, split sums by the last
-    # program, weights loaded before the wait.
-    off = GpuPlatform(EngineConfig())
-    assert not off.rope_in_attention and not off.last_sums and not off.early_weights
-    on = GpuPlatform(EngineConfig(plugin_options={"gpu": {"rope_in_attention": True, "last_sums": True,
-                                                          "early_weights": True}}))
-    assert on.rope_in_attention and on.last_sums and on.early_weights
+    # Off until measured faster on a GPU: rotary inside decode attention, split sums by the last program.
+    assert not GpuPlatform(EngineConfig()).rope_in_attention and not GpuPlatform(EngineConfig()).last_sums
+    on = GpuPlatform(EngineConfig(plugin_options={"gpu": {"rope_in_attention": True, "last_sums": True}}))
+    assert on.rope_in_attention and on.last_sums
     assert GpuPlatform(EngineConfig(device="cpu")).skinny_gemv is False
     assert GpuPlatform(EngineConfig(device="cuda")).skinny_gemv is True
     assert GpuPlatform(EngineConfig(device="cuda", batch_invariant=True)).skinny_gemv is False

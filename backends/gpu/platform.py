@@ -40,9 +40,7 @@ count leaves the chip short of programs, with more splits, replayed when the lon
 each split two tiles, ``backends.gpu.graphs``; dense attention only) and ``moe_down_groups`` (by
 default ``MOE_DOWN_GROUPS`` where the kernel runs: the one-token MoE's down projection spreads a
 token's experts over that many programs a block of hidden units, ``kernels.skinny_moe``; other than
-1, refused where that kernel does not run) and ``early_weights`` (default off, until measured: each
-one-row projection program loads its first weight chunk into registers before it waits for the
-kernel before it, ``kernels.gemv``).
+1, refused where that kernel does not run).
 Any other key is refused.
 """
 
@@ -56,7 +54,7 @@ import torch
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
 from specloop.kernels import last_sums, pdl, skinny_moe
-from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_early_weights, set_routed_rows
+from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_routed_rows
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
@@ -88,7 +86,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "early_weights")
+               "long_context_graphs", "moe_down_groups")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -101,7 +99,6 @@ class GpuPlatform:
         self.pdl = None if opts.get("pdl") is None else bool(opts["pdl"])  # None: where it pays
         self.rope_in_attention = bool(opts.get("rope_in_attention", False))
         self.last_sums = bool(opts.get("last_sums", False))
-        self.early_weights = bool(opts.get("early_weights", False))
         # On by default on CUDA; batch-invariant mode fixes the linear layers' kernel, so not there.
         on_cuda = str(config.device).startswith("cuda") or (str(config.device) == "auto" and torch.cuda.is_available())
         default_skinny = on_cuda and not config.batch_invariant
@@ -147,7 +144,6 @@ class GpuPlatform:
             runner.attn_backend.rope_in_attention = self.rope_in_attention
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
-        set_early_weights(self.early_weights)
         skinny_moe.set_down_groups(self.moe_down_groups or (MOE_DOWN_GROUPS if one_token_moe else 1))
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
