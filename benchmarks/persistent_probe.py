@@ -15,7 +15,16 @@ projection) in one CUDA graph, the bandwidth time of the weights, and the barrie
 Checks its own result against float64 torch (a broken barrier, or activations read through an SM's
 L1 after another SM rewrote them, reads stale values: the activations are read past L1) and the
 counter's final value (one arrival a program a barrier). On the H200 the few-rows kernels won
-(docs/benchmarks.md, session of 2026-12-05).
+(docs/benchmarks.md, session of 2026-12-05): a program walked its rows in short loops and kept one
+or two tiles in flight.
+
+A second layout ("held"): each program owns one block of rows of every projection and holds its
+whole tile in registers, loaded in one go; the next projection's tile is requested right after the
+program arrives at a barrier, so its weights stream in while the program waits for the others
+(weights do not depend on the barrier, only activations do), and after the barrier only the
+activations remain to be read. Only where every tile fits a program's registers (qwen3-0.6b's at
+one or two programs an SM; not llama3-8b's). ``--device cpu`` under ``TRITON_INTERPRET=1`` checks
+both layouts at a tiny shape with one program (the interpreter runs programs one after another).
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ from common import environment, measure_bandwidth, report, save  # noqa: E402
 SHAPES = {  # hidden, q size, kv size, intermediate, layers
     "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
     "llama3-8b": (4096, 4096, 1024, 14336, 32),
+    "tiny": (64, 64, 32, 128, 2),  # the CPU check (every size a multiple of the chain kernel's blocks)
 }
+HELD_ELEMENTS = 128  # the most tile elements a thread holds (two tiles live at once: 128 registers)
 
 
 @triton.jit
@@ -144,6 +155,83 @@ def _chain_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_
         grid_sync(counter_ptr, (layer * 4 + 4) * G)
 
 
+@triton.jit
+def arrive(counter_ptr):
+    """Arrive at a grid-wide barrier, this program's stores ordered before."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_for(counter_ptr, target):
+    """Wait until ``target`` arrivals have been counted (what they stored is visible after)."""
+    while tl.load(counter_ptr, volatile=True) < target:
+        pass
+    tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tile(w_ptr, pid, N, K, BN: tl.constexpr, KP: tl.constexpr):
+    """This program's rows of ``w`` (``[N, K]``), whole: ``[BN, KP]``, zero past the edges."""
+    rows = pid * BN + tl.arange(0, BN)
+    ks = tl.arange(0, KP)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=(rows < N)[:, None] & (ks < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _apply(tile, x_ptr, scale, pid, K, BN: tl.constexpr, KP: tl.constexpr):
+    """The rows of ``tile`` times the activations ``x * scale`` (read past L1): (row ids, sums)."""
+    ks = tl.arange(0, KP)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0, cache_modifier=".cg").to(tl.float32) * scale
+    return pid * BN + tl.arange(0, BN), tl.sum(tile.to(tl.float32) * x[None, :], 1)
+
+
+@triton.jit
+def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, counter_ptr,
+                 H: tl.constexpr, HP: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr,
+                 I: tl.constexpr, IP: tl.constexpr, LAYERS: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
+                 BN3: tl.constexpr, BN4: tl.constexpr):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    zero = (pid * 0).to(tl.int64)
+    w1 = _tile(wqkv_ptr, pid, QKV, H, BN1, HP)
+    for layer in range(LAYERS):
+        at = zero + layer
+        scale = _rstd(x_ptr, H, HP, 1e-6)  # qkv = Wqkv rms(x)
+        rows, acc = _apply(w1, x_ptr, scale, pid, H, BN1, HP)
+        tl.store(qkv_ptr + rows, acc, mask=rows < QKV)
+        arrive(counter_ptr)
+        w2 = _tile(wo_ptr + at * H * Q, pid, H, Q, BN2, QP)  # streams in while this program waits
+        wait_for(counter_ptr, (layer * 4 + 1) * G)
+        rows, acc = _apply(w2, qkv_ptr, 1.0, pid, Q, BN2, QP)  # h = x + Wo qkv[:q]
+        ok = rows < H
+        tl.store(h_ptr + rows, acc + tl.load(x_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg"), mask=ok)
+        arrive(counter_ptr)
+        wg = _tile(wgu_ptr + at * 2 * I * H, pid, I, H, BN3, HP)
+        wu = _tile(wgu_ptr + (at * 2 + 1) * I * H, pid, I, H, BN3, HP)
+        wait_for(counter_ptr, (layer * 4 + 2) * G)
+        scale = _rstd(h_ptr, H, HP, 1e-6)  # act = silu(g) * u, [g | u] = Wgu rms(h)
+        rows, g = _apply(wg, h_ptr, scale, pid, H, BN3, HP)
+        rows, u = _apply(wu, h_ptr, scale, pid, H, BN3, HP)
+        tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < I)
+        arrive(counter_ptr)
+        w4 = _tile(wd_ptr + at * H * I, pid, H, I, BN4, IP)
+        wait_for(counter_ptr, (layer * 4 + 3) * G)
+        rows, acc = _apply(w4, act_ptr, 1.0, pid, I, BN4, IP)  # x = h + Wd act
+        ok = rows < H
+        tl.store(x_ptr + rows, acc + tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg"), mask=ok)
+        arrive(counter_ptr)
+        w1 = _tile(wqkv_ptr + tl.minimum(at + 1, LAYERS - 1) * QKV * H, pid, QKV, H, BN1, HP)
+        wait_for(counter_ptr, (layer * 4 + 4) * G)
+
+
+def held_rows(n: int, programs: int) -> int:
+    """Rows a program of the held layout owns: enough for ``programs`` to cover ``n``, a power of two."""
+    return triton.next_power_of_2(triton.cdiv(n, programs))
+
+
 def chain_reference(x, wqkv, wo, wgu, wd, q):
     x = x.double()
     for layer in range(wqkv.shape[0]):
@@ -181,13 +269,17 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
     H, Q, KV, I, L = SHAPES[shape]
     L = min(L, args.layers or L)
     QKV = Q + 2 * KV
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dev = torch.device(args.device)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device=dev).manual_seed(0)
     w = lambda *s: (torch.randn(*s, device=dev, dtype=dt, generator=gen) / s[-1] ** 0.5).contiguous()  # noqa: E731
     wqkv, wo, wgu, wd = w(L, QKV, H), w(L, H, Q), w(L, 2 * I, H), w(L, H, I)
     weight_bytes = sum(t.numel() * t.element_size() for t in (wqkv, wo, wgu, wd))
     x0 = torch.randn(H, device=dev, generator=gen)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    # On a CPU (the interpreter) one program: it runs programs one after another, and a barrier
+    # would wait forever for the second.
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    timed = graph_time_us if dev.type == "cuda" else lambda fn: (fn(), float("nan"))[1]
     row = {"shape": shape, "layers": L, "weight_bytes": weight_bytes,
            "bandwidth_us": weight_bytes / bandwidth * 1e6}
     # The engine's kernels, one launch a projection, norm and activation fused.
@@ -203,17 +295,19 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
             x = skinny_gated_linear(gu, wd[layer])
         return x
 
-    try:
-        row["launches_us"] = graph_time_us(launches)
-    except Exception as e:  # e.g. a strided slice the kernel refuses
-        row["launches_error"] = f"{type(e).__name__}: {e}"
+    if dev.type == "cuda":
+        try:
+            row["launches_us"] = graph_time_us(launches)
+        except Exception as e:  # e.g. a strided slice the kernel refuses
+            row["launches_error"] = f"{type(e).__name__}: {e}"
     ref = chain_reference(x0, wqkv, wo, wgu, wd, Q)
-    for programs in args.programs:
+    for programs in args.programs if dev.type == "cuda" else [1]:
         G = programs * sms
         bns = (block_rows(QKV, G), block_rows(H, G), block_rows(I, G), block_rows(H, G))
         x, qkv, h, act = (torch.empty(n, device=dev) for n in (H, QKV, H, I))
         counter = torch.zeros(1, device=dev, dtype=torch.int32)
-        for prefetch, work in ((False, False), (False, True), (True, True)):
+        # (The interpreter runs no inline assembly: no L2 requests on a CPU.)
+        for prefetch, work in ((False, False), (False, True), (True, True))[:3 if dev.type == "cuda" else 2]:
             def step():
                 counter.zero_()
                 x.copy_(x0)
@@ -226,7 +320,7 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
             name = f"{programs}x{sms} programs, " + ("barriers only" if not work else
                                                      "prefetch" if prefetch else "no prefetch")
             try:
-                us = graph_time_us(step)
+                us = timed(step)
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {e}"
                 continue
@@ -236,6 +330,31 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
                 entry["rel_err"] = float((x.double() - ref).norm() / ref.norm())
                 entry["of_bandwidth"] = row["bandwidth_us"] / us
             row[name] = entry
+        # The held layout: a program's whole tile of each projection in registers, requested at
+        # the barrier before it.
+        warps = max(4, args.held_warps // programs)
+        bns = (held_rows(QKV, G), held_rows(H, G), held_rows(I, G), held_rows(H, G))
+        pads = [triton.next_power_of_2(k) for k in (H, Q, I)]
+        live = max(bns[0] * pads[0] + bns[1] * pads[1], bns[1] * pads[1] + 2 * bns[2] * pads[0],
+                   2 * bns[2] * pads[0] + bns[3] * pads[2], bns[3] * pads[2] + bns[0] * pads[0])
+        name = f"{programs}x{sms} programs, held tiles, {warps} warps"
+        if live > 2 * HELD_ELEMENTS * 32 * warps:
+            row[name] = f"skipped: {live} tile elements live, past {2 * HELD_ELEMENTS} a thread"
+            continue
+
+        def held():
+            counter.zero_()
+            x.copy_(x0)
+            _held_kernel[(G,)](x, qkv, h, act, wqkv, wo, wgu, wd, counter, H=H, HP=pads[0], QKV=QKV, Q=Q, QP=pads[1],
+                               I=I, IP=pads[2], LAYERS=L, BN1=bns[0], BN2=bns[1], BN3=bns[2], BN4=bns[3],
+                               num_warps=warps, num_stages=1)
+        try:
+            us = timed(held)
+        except Exception as e:
+            row[name] = f"{type(e).__name__}: {e}"
+            continue
+        row[name] = {"us": us, "arrivals_ok": int(counter.item()) == 4 * L * G, "block_rows": bns,
+                     "rel_err": float((x.double() - ref).norm() / ref.norm()), "of_bandwidth": row["bandwidth_us"] / us}
     return row
 
 
@@ -250,10 +369,16 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--copy-q", action="store_true", help="the engine's o projection reads a contiguous copy")
+    parser.add_argument("--held-warps", type=int, default=16, help="warps a program of the held layout at one "
+                        "program an SM (halved at two)")
+    parser.add_argument("--device", default="cuda", help="cpu: check the kernels at the tiny shape under "
+                        "TRITON_INTERPRET=1 (no timings)")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        args.shapes, args.block_k = "tiny", 32
     env = environment(device)
-    bandwidth = measure_bandwidth(device)
+    bandwidth = measure_bandwidth(device) if device.type == "cuda" else float("nan")
     rows = []
     for shape in args.shapes.split(","):
         rows.append(run_shape(shape, args, bandwidth))
