@@ -82,7 +82,10 @@ def step_times(llm: Any, prompt: list[int], output_len: int, device: torch.devic
 def mtp_run(spec: Any, prompt: list[int], output_len: int, device: torch.device, target: list[float],
             target_pipelined: float = 0.0) -> tuple[dict[str, Any], list[int], list[float]]:
     """Every MTP proposal of one greedy request on ``spec`` timed (device-synchronised), against the
-    target engine's steps ``target``; returns the figures, the tokens and the proposal times."""
+    target engine's steps ``target``; then the request again unsynchronised, each launched proposal
+    timed by events in the stream, against ``target_pipelined`` (the few proposals the runner calls
+    rather than launches, after a prefill, still synchronise). Returns the figures, the tokens and
+    the synchronised proposal times."""
     proposer = spec.core.runner.drafter.proposer
     draft_times: list[float] = []
     propose = proposer.propose
