@@ -45,7 +45,7 @@ SHAPES = {  # hidden, q size, kv size, intermediate, layers
     "llama3-8b": (4096, 4096, 1024, 14336, 32),
     "tiny": (64, 64, 32, 128, 2),  # the CPU check (every size a multiple of the chain kernel's blocks)
 }
-HELD_ELEMENTS = 128  # the most tile elements a thread holds (two tiles live at once: 128 registers)
+HELD_ELEMENTS = 128  # the most elements of one tile a thread holds (two live at once: 256 bf16, 128 registers)
 
 
 @triton.jit
