@@ -11,13 +11,13 @@ model: the ``mtp`` proposer loads them (``models/deepseek_mtp.py``).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
 from .moe import MoE, load_expert_weight
@@ -65,9 +65,9 @@ class DeepseekDecoderLayer(nn.Module):
         return norm_moe(ops, x, residual, self.post_attention_layernorm, mlp)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 (and V2, whose differences are all in ``config.json``: softmax routing without the
-    correction bias, no q LoRA on V2-Lite). The model interface of ``LlamaForCausalLM``."""
+    correction bias, no q LoRA on V2-Lite). The interface: :class:`~.layers.CausalLM`."""
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -82,31 +82,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    @property
-    def max_positions(self) -> int:
-        return self.rotary.max_positions
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                aux_layers: Sequence[int] = (), inputs_embeds: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-        residual: torch.Tensor | None = None
-        aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:  # a copy: the fused ops update the residual stream in place
-                aux.append(x.clone() if residual is None else x + residual)
-            x, residual = layer(x, residual, positions, ctx)
-        if len(self.layers) in aux_layers:
-            aux.append(x + residual)
-        h, _ = ctx.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return h, aux
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters (fusing as :func:`load_layer_weight` does);

@@ -10,13 +10,13 @@ scheduler, the paged cache layout or the device. The residual stream is carried 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding
+from .layers import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
 from .ops import gated_linear, norm_linear
 from .parallel import (SINGLE, CheckpointSource, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                        TensorParallel, VocabParallelEmbedding, head_shard, load_parameter)
@@ -80,13 +80,9 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer with pre-norm blocks, GQA, RoPE and a SwiGLU MLP.
-
-    ``forward`` returns the final (post-norm) hidden states of every token plus, on request, the
-    residual stream *entering* chosen layers (``aux_layers``; ``num_layers`` means the stream after
-    the last layer, before the final norm) — EAGLE-3 reads three of them. ``compute_logits`` is
-    applied by the caller only to the rows that need logits.
+class LlamaForCausalLM(CausalLM):
+    """Decoder-only transformer with pre-norm blocks, GQA, RoPE and a SwiGLU MLP (the interface:
+    :class:`~.layers.CausalLM`).
 
     With ``tp`` (tensor parallelism) each rank builds its shard of the same model: its heads and MLP
     slice, its rows of the vocabulary; the residual stream and the logits are whole on every rank.
@@ -109,32 +105,6 @@ class LlamaForCausalLM(nn.Module):
         """Architecture switches read from ``config.json``; subclasses override."""
         bias = bool(hf.get("attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": bool(hf.get("mlp_bias", False))}
-
-    @property
-    def max_positions(self) -> int:
-        """How many positions the rotary tables cover."""
-        return self.rotary.max_positions
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                aux_layers: Sequence[int] = (), inputs_embeds: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-        residual: torch.Tensor | None = None
-        aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:  # a copy: the fused ops update the residual stream in place
-                aux.append(x.clone() if residual is None else x + residual)
-            x, residual = layer(x, residual, positions, ctx)
-        if len(self.layers) in aux_layers:
-            aux.append(x + residual)
-        h, _ = ctx.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return h, aux
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointSource]]) -> None:
         """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up on the way; under
