@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
-from .layers import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+from .causal_lm import CausalLM
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .llama import DEFAULT_MAX_POSITIONS
 from .mla import MLAttention, deinterleave_rope_rows, mla_weight_target
 from .moe import MoE, load_expert_weight
@@ -67,7 +68,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 (and V2, whose differences are all in ``config.json``: softmax routing without the
-    correction bias, no q LoRA on V2-Lite). The interface: :class:`~.layers.CausalLM`."""
+    correction bias, no q LoRA on V2-Lite). The interface: :class:`~.causal_lm.CausalLM`."""
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()

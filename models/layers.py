@@ -1,21 +1,17 @@
-"""Building blocks shared by the decoder architectures: RMSNorm, rotary embedding, gated MLP, and
-the model around the layers (:class:`CausalLM`). They hold weights and tables; the math runs in the
-ops of the forward context (:mod:`.ops`)."""
+"""Building blocks shared by the decoder architectures: RMSNorm, rotary embedding, gated MLP. They
+hold weights and tables; the math runs in the ops of the forward context (:mod:`.ops`)."""
 
 from __future__ import annotations
 
 import math
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from .config import RopeConfig
 from .parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, even_shard
-
-if TYPE_CHECKING:
-    from .context import ForwardContext
 
 
 class _SiluAndMul(Protocol):
@@ -137,40 +133,3 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, ops: _SiluAndMul) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
-
-class CausalLM(nn.Module):
-    """A decoder-only model's interface, around what a subclass builds: ``embed_tokens``, ``rotary``,
-    ``layers`` (each ``layer(x, residual, positions, ctx) -> (x, residual)``, the residual stream
-    carried as ``x + residual`` and updated in place by the fused ops), ``norm`` and ``lm_head``.
-
-    ``forward`` takes packed ragged rows and returns the final (post-norm) hidden states of every
-    row plus, on request, the residual stream *entering* chosen layers (``aux_layers``;
-    ``num_layers`` means the stream after the last layer, before the final norm): EAGLE-3 reads
-    three of them. ``compute_logits`` is applied by the caller only to the rows that need logits.
-    """
-
-    @property
-    def max_positions(self) -> int:
-        """How many positions the rotary tables cover."""
-        return self.rotary.max_positions
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, ctx: ForwardContext,
-                aux_layers: Sequence[int] = (), inputs_embeds: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.clone()
-        residual: torch.Tensor | None = None
-        aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:  # a copy: the fused ops update the residual stream in place
-                aux.append(x.clone() if residual is None else x + residual)
-            x, residual = layer(x, residual, positions, ctx)
-        if len(self.layers) in aux_layers:
-            aux.append(x + residual)
-        h, _ = ctx.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return h, aux
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, ModelLoadError, parse_hf_config
-from .layers import CausalLM, GatedMLP, RMSNorm, RotaryEmbedding
+from .causal_lm import CausalLM
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding
 from .ops import gated_linear, norm_linear
 from .parallel import (SINGLE, CheckpointSource, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                        TensorParallel, VocabParallelEmbedding, head_shard, load_parameter)
@@ -82,7 +83,7 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 class LlamaForCausalLM(CausalLM):
     """Decoder-only transformer with pre-norm blocks, GQA, RoPE and a SwiGLU MLP (the interface:
-    :class:`~.layers.CausalLM`).
+    :class:`~.causal_lm.CausalLM`).
 
     With ``tp`` (tensor parallelism) each rank builds its shard of the same model: its heads and MLP
     slice, its rows of the vocabulary; the residual stream and the logits are whole on every rank.
