@@ -37,7 +37,7 @@ def _step_forward(g: Any, size: int) -> tuple[torch.Tensor, ...]:
 def eager_captures(monkeypatch: Any) -> list:
     """Make proposers capture eager stand-ins (in their own capture order) wherever they would
     capture CUDA graphs; returns the graph sets in capture order."""
-    from specloop.proposers import chain_graphs, draft_model, eagle, feed_graphs, mtp, step_graphs
+    from specloop.proposers import chain_graphs, draft_model, feed_graphs, recording, step_graphs
 
     captured: list = []
 
@@ -56,7 +56,7 @@ def eager_captures(monkeypatch: Any) -> list:
     monkeypatch.setattr(chain_graphs.ChainGraphs, "capture", lambda g: capture(g, lambda g, size: g.chain(size)))
     monkeypatch.setattr(feed_graphs.FeedGraphs, "capture", lambda g: capture(g, _step_forward))
     monkeypatch.setattr(step_graphs.LaunchGraphs, "capture", lambda g: capture(g, lambda g, size: g.forward(size)))
-    for module in (draft_model, eagle, mtp, step_graphs):
+    for module in (draft_model, recording, step_graphs):
         monkeypatch.setattr(module, "graphs_wanted", lambda *args: True)
     return captured
 

@@ -175,12 +175,18 @@ def test_k1_counts_and_logits_equal_what_the_reference_predicts(reference: Refer
     propose = MTPProposer.propose
 
     def recording_propose(self: MTPProposer, inputs: Any) -> Any:
-        logits, rows = self.head.logits, []
+        logits, argmax, rows = self.head.logits, self.head.argmax, []
+
+        def recorded_argmax(h: torch.Tensor, ops: Any) -> torch.Tensor:  # greedy drafts: the same rows' logits
+            rows.append(logits(h))
+            return argmax(h, ops)
+
         self.head.logits = lambda h: rows.append(logits(h)) or rows[-1]
+        self.head.argmax = recorded_argmax
         try:
             proposal = propose(self, inputs)
         finally:
-            del self.head.logits
+            del self.head.logits, self.head.argmax
         live = [i for i, d in enumerate(proposal.draft_token_ids) if d]
         drafted.extend((inputs.token_ids[i].tolist(), rows[0][k]) for k, i in enumerate(live))
         return proposal
