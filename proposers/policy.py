@@ -201,25 +201,28 @@ class AdaptivePolicy:
     measured excess of the first step of a run of each length over its steady step, one step until
     measured), so it comes once that loss is its share of ``probe_cost`` of the steps since the
     last, and not more often than every ``min_interval`` steps nor less often than every
-    ``max_interval``: a one-time cost (a kernel
-    compiled in a run's first step) must not mark a length dear for good. The lengths that far
-    behind (their loss would allow a longer interval) take turns: one probe of them every
-    ``max_interval`` steps, the one that waited longest, since a proposer whose drafts lose would
-    otherwise pay a probe of every such length each time. A step that costs less
-    than ``1 / OUTLIER`` of its estimate restarts that estimate, for the same reason. Probes of a
-    length with drafts also refresh the acceptance while the policy drafts nothing.
+    ``max_interval``: a one-time cost (a kernel compiled in a run's first step) must not mark a
+    length dear for good. The lengths that far behind (their loss would allow a longer interval)
+    take turns: one probe of them every ``max_interval`` steps, the one that waited longest, since a
+    proposer whose drafts lose would otherwise pay a probe of every such length each time; and
+    while such probes find nothing (the best length is the same at the next), they come twice as
+    far apart each time, up to the interval ``probe_cost`` gives them and at most ``far_backoff``
+    times ``max_interval`` (a new best length starts over): a cost measured again and again is not
+    a one-time cost. A step that costs less than ``1 / OUTLIER`` of its estimate restarts that
+    estimate, for the same reason. Probes of a length with drafts also refresh the acceptance while
+    the policy drafts nothing.
     """
 
     def __init__(self, config: EngineConfig, *, probe_len: int = 8, probe_cost: float = 0.005,
                  min_interval: int = 64, max_interval: int = 2048, decay: float = 0.98,
                  accept_decay: float = 0.95, long_accept_decay: float = 0.998, warmup: int | None = None,
-                 recheck: int = 8) -> None:
+                 recheck: int = 8, far_backoff: int = 8) -> None:
         spec = config.speculative_config
         self.k = spec.num_speculative_tokens if spec is not None and not isinstance(spec, (dict, str)) else 1
         if probe_len < 3:  # a step time is measured on a step amid two of its own length
             raise ValueError(f"probe_len must be at least 3, got {probe_len}")
         self.probe_len, self.probe_cost = probe_len, probe_cost
-        self.min_interval, self.max_interval = min_interval, max_interval
+        self.min_interval, self.max_interval, self.far_backoff = min_interval, max_interval, far_backoff
         # Step times of the engine's first steps are not kept (one-time costs: kernels compiled and
         # tuned, first graph replays, the allocator growing): its first probes of K and 0.
         self.warmup = 2 * probe_len if warmup is None else warmup
@@ -234,6 +237,8 @@ class AdaptivePolicy:
         self.first_seen: dict[int, int] = {}
         self.held: dict[int, int] = {}  # per bucket, the length it runs between probes
         self.far_probed: dict[int, int] = {}  # per bucket, when it last probed a length far behind
+        self.far_every: dict[int, int] = {}  # per bucket, steps between such probes (max_interval and up)
+        self.far_best: dict[int, int] = {}  # per bucket, the best length at the last such probe
         self.length = self.k  # this step's
         self.probe: tuple[int, int, int] | None = None  # (bucket, length, steps left)
         # Weighing every length costs tens of microseconds of Python, a tenth of a small step: a
@@ -325,7 +330,8 @@ class AdaptivePolicy:
         self.held[bucket] = best
         best_rate, best_step, _ = rates[best]
         due = []
-        far = self.num_steps - self.far_probed.get(bucket, self.first_seen[bucket]) < self.max_interval
+        far_every, far_budget = self.far_every.get(bucket, self.max_interval), self.far_backoff * self.max_interval
+        far = self.num_steps - self.far_probed.get(bucket, self.first_seen[bucket]) < far_every
         for n in self.lengths:
             if n == best:
                 continue
@@ -338,15 +344,20 @@ class AdaptivePolicy:
             # probes may come; the lengths between are interpolated from those two.
             guess = not measured and n in (0, self.k)
             interval = 0.0 if guess else loss * (len(self.lengths) - 1) / (best_step * self.probe_cost)
-            if interval >= self.max_interval and far:
-                continue  # one length this far behind was probed within max_interval: it speaks for all
+            if interval >= self.max_interval:  # far behind: the budget's fewest steps for any of them
+                far_budget = min(far_budget, int(interval))
+                if far:
+                    continue  # one length this far behind was probed within far_every: it speaks for all
             interval = min(max(self.min_interval, interval), self.max_interval)
             waited = self.num_steps - self.probed.get((bucket, n), self.first_seen[bucket])
             if waited >= interval:
                 due.append((waited / interval, interval >= self.max_interval, n))
         if due:
             _, capped, n = max(due)
-            if capped:
+            if capped:  # the last such probe found nothing if the best length is still the same
+                self.far_every[bucket] = max(self.max_interval, min(2 * far_every, far_budget)) \
+                    if self.far_best.get(bucket) == best else self.max_interval
+                self.far_best[bucket] = best
                 self.far_probed[bucket] = self.num_steps
             return self._start_probe(bucket, n)
         return best

@@ -129,6 +129,27 @@ def test_lengths_far_behind_take_turns_at_one_probe_each_max_interval():
     assert m.tokens / m.seconds > 0.97 / dear[0]
 
 
+def test_probes_of_lengths_far_behind_space_out_while_they_find_nothing():
+    """Each far probe that leaves the best length as it was makes the next come twice as late, up
+    to ``far_backoff`` times ``max_interval`` (what ``probe_cost`` allows these lengths is more);
+    when drafting pays again, the next such probe finds it and the policy returns to K."""
+    dear = {0: 1.0e-3, 1: 4.0e-3, 2: 4.5e-3, 3: 5.0e-3}
+    p = policy()
+    m = Machine(p)
+    chosen = m.run(40 * p.max_interval, 1, 0.05, dear)
+    starts = [i for i, n in enumerate(chosen) if n and i > 300 and chosen[i - 1] != n]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    cap = p.far_backoff * p.max_interval
+    assert all(b >= a for a, b in zip(gaps, gaps[1:])), gaps
+    assert gaps[0] < 2 * p.max_interval and cap <= gaps[-1] < cap + p.max_interval, gaps
+    assert m.tokens / m.seconds > 0.99 / dear[0]
+    cheap = {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3, 3: 1.3e-3}
+    chosen = m.run(cap + 4 * p.max_interval, 1, 0.8, cheap)
+    back = next(i for i, n in enumerate(chosen) if n == K)
+    assert back <= cap + p.max_interval and chosen[-256:] == [K] * 256, back
+    assert p.far_every[1] == p.max_interval  # a new best length: far probes start over
+
+
 def test_probes_of_lengths_that_lose_share_one_budget():
     """Medusa-like drafts on the default model (acceptance 0.37 / 0.35 / 0.45 by position, as
     measured on the H200): every length with drafts is 20-30% slower than none. The probes of the
