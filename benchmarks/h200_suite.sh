@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests spectests offline decode decode8b prefill gemv tune moe long_context probe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b peer prefill gemv tune moe long_context probe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -69,6 +69,11 @@ for s in $stages; do
              --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4,16,64,256 ${DECODE_ARGS:-} ;;
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
              --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ${DECODE_ARGS:-} ;;
+    peer)  # batch-1 decode's plain-PyTorch peer (static cache, torch.compile reduce-overhead), then specloop's, in turn
+      stage compiled_peer "${T_PEER:-300}" python3 benchmarks/compiled_peer.py --out "$RES/peer" --ckpt-root "$CKPT" \
+             --shapes "${PEER_SHAPES:-qwen3-0.6b}"
+      stage decode_beside_peer "${T_DECODE:-120}" python3 benchmarks/decode_latency.py --out "$RES/peer" \
+             --ckpt-root "$CKPT" --shapes "${PEER_SHAPES:-qwen3-0.6b}" --batch-sizes 1 ;;
     prefill) stage prefill "${T_PREFILL:-60}" python3 benchmarks/prefill.py --out "$RES" --ckpt-root "$CKPT" ;;
     gemv)  # the few-rows linear kernel against cuBLAS at decode shapes, then batch-1/4 decode with it and without
       stage gemv "${T_GEMV:-200}" python3 benchmarks/gemv.py --out "$RES/gemv"
