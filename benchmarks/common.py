@@ -115,6 +115,16 @@ def report(title: str, fields: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def begin_shapes(benchmark: str, title: str, args: Any) -> tuple[float, dict[str, Any]]:
+    """A per-shape benchmark's start: its configuration reported, the copy bandwidth measured now;
+    (bandwidth in bytes/s, the results dict its shapes go into)."""
+    env = environment(torch.device(args.device))
+    report(f"{title}: configuration", {**env, **vars(args)})
+    bandwidth = measure_bandwidth(torch.device(args.device))
+    report("device ceilings (measured now)", {"copy bandwidth TB/s": bandwidth / 1e12})
+    return bandwidth, {"benchmark": benchmark, "env": env, "config": vars(args), "bandwidth_Bps": bandwidth, "shapes": {}}
+
+
 def save(out_dir: str, name: str, data: dict[str, Any]) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.json")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ModelCost, base_args, build_checkpoint, environment, measure_bandwidth, report, save  # noqa: E402
+from common import ModelCost, base_args, begin_shapes, build_checkpoint, report, save  # noqa: E402
 
 
 def load_weights(path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -212,13 +212,7 @@ def main() -> None:
                         "logprobs (within --check-tolerance)")
     parser.add_argument("--check-tolerance", type=float, default=1e-4)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    env = environment(device)
-    report("compiled peer: configuration", {**env, **vars(args)})
-    bandwidth = measure_bandwidth(device)
-    report("device ceilings (measured now)", {"copy bandwidth TB/s": bandwidth / 1e12})
-    results: dict[str, Any] = {"benchmark": "compiled_peer", "env": env, "config": vars(args),
-                               "bandwidth_Bps": bandwidth, "shapes": {}}
+    bandwidth, results = begin_shapes("compiled_peer", "compiled peer", args)
     for shape in args.shapes.split(","):
         results["shapes"][shape] = run_shape(shape, args, bandwidth)
         save(args.out, "compiled_peer", results)

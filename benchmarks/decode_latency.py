@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (ModelCost, base_args, build_checkpoint, environment, measure_bandwidth, plot,  # noqa: E402
-                    report, save)
+from common import ModelCost, base_args, begin_shapes, build_checkpoint, plot, report, save  # noqa: E402
 
 
 def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,13 +123,7 @@ def main() -> None:
                         help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
                         "one-token MoE's down projection; 8 where it runs by default)")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    env = environment(device)
-    report("decode latency: configuration", {**env, **vars(args)})
-    bandwidth = measure_bandwidth(device)
-    report("device ceilings (measured now)", {"copy bandwidth TB/s": bandwidth / 1e12})
-    results: dict[str, Any] = {"benchmark": "decode_latency", "env": env, "config": vars(args),
-                               "bandwidth_Bps": bandwidth, "shapes": {}}
+    bandwidth, results = begin_shapes("decode_latency", "decode latency", args)
     from tqdm import tqdm
 
     for shape in tqdm(args.shapes.split(","), desc="shapes"):
@@ -142,7 +135,8 @@ def main() -> None:
         series[f"{shape} specloop"] = (xs, [row["tok_s"] for row in r["rows"]])
         series[f"{shape} roofline"] = (xs, [row["roofline_tok_s"] for row in r["rows"]])
     plot(args.out, "decode_latency", series, "batch size", "output tok/s",
-         f"decode, {args.prompt_len}+{args.output_len} tokens, {env.get('gpu', env['device'])}, {env['commit']}")
+         f"decode, {args.prompt_len}+{args.output_len} tokens, {results['env'].get('gpu', args.device)}, "
+         f"{results['env']['commit']}")
     summary = {}
     for shape, r in results["shapes"].items():
         one = r["rows"][0]
