@@ -345,7 +345,7 @@ class AdaptivePolicy:
             guess = not measured and n in (0, self.k)
             interval = 0.0 if guess else loss * (len(self.lengths) - 1) / (best_step * self.probe_cost)
             if interval >= self.max_interval:  # far behind: the budget's fewest steps for any of them
-                far_budget = min(far_budget, int(interval))
+                far_budget = min(far_budget, interval)
                 if far:
                     continue  # one length this far behind was probed within far_every: it speaks for all
             interval = min(max(self.min_interval, interval), self.max_interval)
@@ -355,7 +355,7 @@ class AdaptivePolicy:
         if due:
             _, capped, n = max(due)
             if capped:  # the last such probe found nothing if the best length is still the same
-                self.far_every[bucket] = max(self.max_interval, min(2 * far_every, far_budget)) \
+                self.far_every[bucket] = int(max(self.max_interval, min(2 * far_every, far_budget))) \
                     if self.far_best.get(bucket) == best else self.max_interval
                 self.far_best[bucket] = best
                 self.far_probed[bucket] = self.num_steps
