@@ -70,6 +70,8 @@ for s in $stages; do
     decode8b) stage decode_latency_8b "${T_DECODE8B:-200}" python3 benchmarks/decode_latency.py --out "$RES/8b" \
              --ckpt-root "$CKPT" --shapes llama3-8b --batch-sizes 1,16,64 ${DECODE_ARGS:-} ;;
     peer)  # batch-1 decode's plain-PyTorch peer (static cache, torch.compile reduce-overhead), then specloop's, in turn
+      stage gpu_peer_test "${T_PEER_TEST:-150}" python3 -P -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short \
+             tests/test_compiled_peer.py
       stage compiled_peer "${T_PEER:-300}" python3 benchmarks/compiled_peer.py --out "$RES/peer" --ckpt-root "$CKPT" \
              --shapes "${PEER_SHAPES:-qwen3-0.6b}"
       stage decode_beside_peer "${T_DECODE:-120}" python3 benchmarks/decode_latency.py --out "$RES/peer" \

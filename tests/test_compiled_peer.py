@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 
 def test_the_compiled_peer_decodes_the_tokens_specloop_decodes(tmp_path: Path) -> None:
     script = Path(__file__).parents[1] / "benchmarks" / "compiled_peer.py"
@@ -20,3 +23,18 @@ def test_the_compiled_peer_decodes_the_tokens_specloop_decodes(tmp_path: Path) -
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     row = json.loads((tmp_path / "out" / "compiled_peer.json").read_text())["shapes"]["tiny"]["rows"][0]
     assert row["logprob_difference_to_specloop"] < 1e-4 and row["tok_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_peer_replays_cuda_graphs_and_still_computes_the_model(tmp_path: Path) -> None:
+    """On the device the peer's step is compiled with CUDA graphs (none skipped: a skip would make the
+    peer look slower than it is) and its logprobs still match specloop's (float32)."""
+    script = Path(__file__).parents[1] / "benchmarks" / "compiled_peer.py"
+    run = subprocess.run([sys.executable, "-P", str(script), "--device", "cuda", "--shapes", "tiny", "--dtype",
+                          "float32", "--check", "--check-tolerance", "1e-3", "--output-len", "48", "--repeat", "1",
+                          "--out", str(tmp_path / "out"), "--ckpt-root", str(tmp_path / "ckpt")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    row = json.loads((tmp_path / "out" / "compiled_peer.json").read_text())["shapes"]["tiny"]["rows"][0]
+    assert row["compiled"] and row["cudagraph_skips"] == 0, row
