@@ -204,9 +204,10 @@ class ModelRunner:
         return num_blocks
 
     def _resolve_async_scheduling(self) -> bool:
-        """On by default on CUDA. With speculative decoding only steps that neither verify nor
-        propose drafts overlap (``DraftingStage.begin_step``): a step with drafts is committed
-        before the next is planned, since that plan needs its accepted counts."""
+        """On by default on CUDA. With speculative decoding a step that neither verifies nor
+        proposes drafts overlaps as any; a greedy verification on a platform with
+        ``late_verification`` too, read a step late (:meth:`_sample`); other steps with drafts are
+        committed before the next is planned, which needs their accepted counts."""
         wanted = self.config.async_scheduling
         return self.device.type == "cuda" if wanted is None else bool(wanted)
 
