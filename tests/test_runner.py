@@ -464,6 +464,16 @@ def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pyte
     assert pdl_pays(model, cpu) is True
     monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4 - 1)
     assert pdl_pays(model, cpu) is False
+    # Only the decoder layers' projections count: not an LM head after them, whichever class holds it
+    # (DeepSeek's is a ReplicatedLinear, Llama's a ParallelLMHead).
+    from specloop.models.parallel import ReplicatedLinear
+
+    lm = nn.Module()
+    lm.layers, lm.lm_head = nn.ModuleList([model]), ReplicatedLinear(8, 1024, bias=False)
+    monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4)
+    assert pdl_pays(lm, cpu) is True
+    lm.layers.append(ReplicatedLinear(8, 17, bias=False))
+    assert pdl_pays(lm, cpu) is False
     pdl.set_enabled(True)
     try:
         assert pdl.launch_options(cpu) == {"PDL": True, "launch_pdl": True}

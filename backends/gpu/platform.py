@@ -195,12 +195,13 @@ class GpuPlatform:
 
 def pdl_pays(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether programmatic dependent launch speeds ``model``'s decode up: where the device has it
-    and each projection of its layers fits the weights a kernel may prefetch (``kernels.pdl``). A
+    and each projection of its decoder layers (``model.layers``; the LM head, after them, does not
+    count, whatever class holds it) fits the weights a kernel may prefetch (``kernels.pdl``). A
     larger projection streams long enough that launch gaps matter little, and kernels started early
     take SM slots from it: llama3-8b's batch-1 decode ran 6.5% slower with it on the H200."""
     if not pdl.supported(device):
         return False
-    largest = max((m.weight.numel() * m.weight.element_size() for m in model.modules()
+    largest = max((m.weight.numel() * m.weight.element_size() for m in getattr(model, "layers", model).modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))), default=0)
     return largest <= pdl.prefetch_budget(device)
 
