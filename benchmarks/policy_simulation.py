@@ -3,7 +3,8 @@
 the best fixed length's, exploration included, averaged over ``--seeds`` runs of ``--steps`` steps.
 
 Scenarios: batch 1 (drafting pays, best K = 3 at acceptance 0.7 and K = 1 at 0.3) and batch 32
-(compute-bound, no drafting pays), each at acceptance 0.7 and 0.3; ``warm-up``: batch 1 at 0.7
+(compute-bound, no drafting pays), each at acceptance 0.7 and 0.3; drafts that lose (every length
+4-5x a plain step, acceptance 0.05) over ``--long-steps`` steps; ``warm-up``: batch 1 at 0.7
 whose first 12 steps at K cost 2.5 times their due (what a fresh engine's first steps can look
 like); and rounds of 8 requests that drain to 5 (drafting loses at 8, gains a few percent at 5,
 and entering a length with drafts costs a draft model's catch-up). No model and no device; a few seconds.
@@ -146,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--long-steps", type=int, default=65536, help="steps of the scenario whose drafts lose")
     parser.add_argument("--text", action="store_true", help="add the scenario read from real text")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--model", default=os.path.join(root, "default_models", "specloop-tiny"))
@@ -160,6 +162,12 @@ def main() -> None:
         shares = [share_of_best(batch, alpha, seconds, args.steps, seed, warm_up) for seed in range(args.seeds)]
         print(f"{name:<26} {statistics.mean(shares):.3f} of the best fixed length "
               f"(seeds: {' '.join(f'{s:.3f}' for s in shares)})")
+    # Drafts that lose (Medusa on the default models: every length 4-5x a plain step, little
+    # accepted), over a long run: what the probes of lengths far behind cost in the end.
+    losing = {0: 1.0e-3, 1: 4.0e-3, 2: 4.5e-3, 3: 5.0e-3}
+    shares = [share_of_best(1, 0.05, losing, args.long_steps, seed) for seed in range(args.seeds)]
+    print(f"{'drafts that lose, long run':<26} {statistics.mean(shares):.3f} of the best fixed length "
+          f"(seeds: {' '.join(f'{s:.3f}' for s in shares)})")
     shares = [drain_share(seed) for seed in range(args.seeds)]
     print(f"{'rounds of 8 draining to 5':<26} {statistics.mean(shares):.3f} of the best fixed length "
           f"(seeds: {' '.join(f'{s:.3f}' for s in shares)})")
