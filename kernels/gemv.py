@@ -317,49 +317,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     return out
 
 
-@triton.jit
-def _head_gemv_kernel(x_ptr, w_ptr, out_ptr, K, N, stride_xh, stride_wh, stride_wk, stride_wn, stride_oh,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    wait_previous(PDL)
-    head = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
-        x = tl.load(x_ptr + head * stride_xh + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + head * stride_wh + (k0 + ks)[:, None].to(tl.int64) * stride_wk + cols[None, :] * stride_wn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[:, None], 0)
-    tl.store(out_ptr + head * stride_oh + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-def head_gemv(x: torch.Tensor, w: torch.Tensor, num_sms: int | None = None) -> torch.Tensor:
-    """One token's per-head products ``out[h] = x[h] @ w[h]``: ``x`` ``[H, K]`` (unit last stride),
-    ``w`` ``[H, K, N]`` with any strides (unit along ``K`` or along ``N``: the load follows the
-    contiguous one) -> ``[H, N]`` in ``x``'s dtype, accumulated in float32 and rounded once, as
-    ``torch.bmm`` rounds. DeepSeek's absorbed latent attention at one token: ``W_UK`` folded into
-    the query and ``W_UV`` after attention, a few MB of weights each, which a batched cuBLAS GEMM
-    reads in two launches that do not wait programmatically. A program owns ``BLOCK_N`` outputs of
-    one head, as many as give every SM a program."""
-    heads, k = x.shape
-    if w.dim() != 3 or w.shape[:2] != (heads, k):
-        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} disagree")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    n = w.shape[2]
-    out = torch.empty(heads, n, dtype=x.dtype, device=x.device)
-    if heads == 0 or n == 0:
-        return out
-    num_sms = num_sms or _num_sms(x.device)
-    block_n = max(16, min(128, 1 << max(0, (heads * n // num_sms).bit_length() - 1)))
-    _head_gemv_kernel[(heads, triton.cdiv(n, block_n))](
-        x, w, out, k, n, x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        BLOCK_K=128, BLOCK_N=block_n, num_warps=4, **pdl.launch_options(x.device))
-    return out
-
-
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`skinny_linear` for inputs of at most :func:`routed_rows` rows in half precision,
     ``F.linear`` for anything else (a layer's ``matmul``: the GPU runner's ``skinny_gemv`` option)."""

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .latent_heads import SplitParts
 from .paged_attention import _UNSPECIALIZED, _find_seq, _reduce_splits_kernel, _unused_parts, prefill_splits
 from .pdl import wait_previous
 
@@ -132,7 +133,8 @@ def mla_attention(
     max_query_len: int,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    merge: bool = True,
+) -> torch.Tensor | SplitParts:
     """Absorbed MLA for a packed ragged batch.
 
     :param q_nope: ``[num_tokens, num_heads, rank]``, queries in latent space (any strides, unit last).
@@ -144,8 +146,11 @@ def mla_attention(
     :param max_query_len: the largest new-token count (host-side; picks the tile shape). Under CUDA
         graphs pass the captured bound.
     :param num_splits: key splits per program (a power of two); 1 writes the output directly.
+    :param merge: False (one token only): leave the splits' partial sums unmerged, for
+        ``kernels.latent_heads.head_gemv`` to merge in W_UV's product.
     :returns: ``out``, ``[num_tokens, num_heads, rank]`` in ``q_nope``'s dtype: the attention-weighted
-        ``c_kv`` of each head, to be multiplied by W_UV.
+        ``c_kv`` of each head, to be multiplied by W_UV; or, unmerged over several splits, their
+        :class:`~.latent_heads.SplitParts`.
     """
     num_tokens, num_heads, rank = q_nope.shape
     rope = q_rope.shape[2]
@@ -157,6 +162,8 @@ def mla_attention(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     num_seqs = seq_lens.shape[0]
+    if not merge and num_tokens != 1:
+        raise ValueError(f"unmerged splits are for one token, got {num_tokens}")
     if out is None:
         out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -187,6 +194,8 @@ def mla_attention(
         num_warps=8 if rows >= 32 else 4, num_stages=1 if q_nope.dtype == torch.float32 else 2,
         **pdl.launch_options(q_nope.device),
     )
+    if num_splits > 1 and not merge:
+        return SplitParts(part_acc, part_ml, num_heads, num_splits, rank, rank_pad, q_nope.dtype)
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),

@@ -20,14 +20,13 @@ from .qk_rope_cache import _rope
 
 
 @triton.jit
-def _mla_rope_cache_kernel(
-    q_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, eps, cache_ptr, slot_ptr,
+def _rope_cache_token(
+    t, q_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, eps, cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_lt, stride_cb, stride_cs,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
-    wait_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = t.to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     d_ok = dims < HALF
@@ -60,12 +59,42 @@ def _mla_rope_cache_kernel(
         tl.store(dst + RANK + HALF + dims[None, :], k2.to(cache_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
+@triton.jit
+def _mla_rope_cache_kernel(
+    q_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, eps, cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_lt, stride_cb, stride_cs,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_previous(PDL)
+    _rope_cache_token(tl.program_id(0), q_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, eps, cache_ptr, slot_ptr,
+                      stride_qt, stride_qh, stride_lt, stride_cb, stride_cs, NUM_HEADS, HEADS_PAD, RANK, RANK_PAD,
+                      HALF, HALF_PAD, PAGE_SIZE)
+
+
 def mla_rope_cache(q_rope: torch.Tensor, latent: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """``q_rope`` ``[T, H, R]`` (a strided view into the query, rotated in place); ``latent``
     ``[T, kv_lora_rank + R]`` (unit last stride); ``cos``/``sin`` float32 ``[max_position, R / 2]``;
     ``cache`` ``[num_blocks, page_size, kv_lora_rank + R]``; ``slot_mapping`` ``[>= T]``."""
+    check_rope_cache(q_rope, latent, cos, sin, norm_weight, cache, slot_mapping)
+    tokens, heads, rope = q_rope.shape
+    rank, half = latent.shape[1] - rope, rope // 2
+    if tokens == 0:
+        return
+    _mla_rope_cache_kernel[(tokens,)](
+        q_rope, latent, positions, cos, sin, norm_weight, eps, cache, slot_mapping,
+        q_rope.stride(0), q_rope.stride(1), latent.stride(0), cache.stride(0), cache.stride(1),
+        NUM_HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE_SIZE=cache.shape[1], num_warps=4,
+        **pdl.launch_options(q_rope.device),
+    )
+
+
+def check_rope_cache(q_rope: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     norm_weight: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the arguments of :func:`mla_rope_cache` agree."""
     tokens, heads, rope = q_rope.shape
     rank = latent.shape[1] - rope
     half = rope // 2
@@ -78,12 +107,3 @@ def mla_rope_cache(q_rope: torch.Tensor, latent: torch.Tensor, positions: torch.
         raise ValueError("q_rope, latent and the cache need a unit stride on their last dim")
     if slot_mapping.shape[0] < tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {tokens} tokens")
-    if tokens == 0:
-        return
-    _mla_rope_cache_kernel[(tokens,)](
-        q_rope, latent, positions, cos, sin, norm_weight, eps, cache, slot_mapping,
-        q_rope.stride(0), q_rope.stride(1), latent.stride(0), cache.stride(0), cache.stride(1),
-        NUM_HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE_SIZE=cache.shape[1], num_warps=4,
-        **pdl.launch_options(q_rope.device),
-    )

@@ -280,78 +280,6 @@ class TritonOps:
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
-class FewRowsOps(TritonOps):
-    """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
-    activation and down projection, each in one kernel in a step of a few rows (``kernels.gemv``'s
-    ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of experts with the
-    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two), and
-    latent attention's per-head ``W_UK`` and ``W_UV`` products (``kernels.gemv.head_gemv``): at
-    batch 1 the step is a few hundred small kernels, and each one less
-    saves its launch gap inside the CUDA graph."""
-
-    name = "triton-few-rows"
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
-                    linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        if _few_rows(x, linear):
-            from specloop.kernels.gemv import skinny_norm_linear
-
-            return skinny_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
-        return _composed_norm_linear(self, x, residual, norm, linear)
-
-    def gated_linear(self, gate_up: torch.Tensor, linear: torch.nn.Module) -> torch.Tensor:
-        if _few_rows(gate_up, linear):
-            from specloop.kernels.gemv import skinny_gated_linear
-
-            return skinny_gated_linear(gate_up, linear.weight, linear.bias)
-        return linear(self.silu_and_mul(gate_up))
-
-    def norm_moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,
-                 moe: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        from specloop.kernels.gemv import MOE_ROUTED_ROWS
-
-        w13 = moe.experts.w13
-        if (residual is None or not 0 < x.shape[0] <= MOE_ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-                or w13.dtype != x.dtype):
-            return _composed_norm_moe(self, x, residual, norm, moe)
-        from specloop.kernels.gemv import skinny_norm_linear
-        from specloop.kernels.skinny_moe import skinny_moe
-
-        # The norm runs inside the router's product (float32 weights and logits, which also writes
-        # the residual sum) and again inside the experts' gate/up kernel, from that sum.
-        logits, residual = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
-                                              out_dtype=torch.float32)
-        weights, ids = self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config)
-        return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), residual
-
-    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
-            from specloop.kernels.gemv import head_gemv
-
-            return head_gemv(x[0], w).unsqueeze(0)
-        return super().head_matmul(x, w)
-
-    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-        from specloop.kernels.gemv import MOE_ROUTED_ROWS
-
-        if 0 < x.shape[0] <= MOE_ROUTED_ROWS and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype:
-            from specloop.kernels.skinny_moe import skinny_moe
-
-            return skinny_moe(x, w13, w2, topk_weights, topk_ids)
-        return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
-
-
-def _few_rows(x: torch.Tensor, linear: torch.nn.Module) -> bool:
-    """A step the few-rows kernels take: up to ``kernels.gemv.routed_rows()`` rows in half precision,
-    on one rank."""
-    from specloop.kernels.gemv import routed_rows
-
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= routed_rows() and x.dtype in (torch.bfloat16, torch.float16) and linear.weight.dtype == x.dtype
-            and getattr(getattr(linear, "tp", None), "size", 1) == 1)
-
-
 def add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``norm(residual + x)`` and the new residual (``x`` itself when ``residual`` is None)."""
@@ -397,4 +325,3 @@ def gated_linear(ops: Ops, gate_up: torch.Tensor, linear: torch.nn.Module) -> to
 
 TORCH_OPS = TorchOps()
 TRITON_OPS = TritonOps()
-FEW_ROWS_OPS = FewRowsOps()

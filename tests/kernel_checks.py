@@ -337,7 +337,7 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         last_sums.set_enabled(False)
     # Per-head products of one token (latent attention's W_UK and W_UV): weights contiguous along
     # the outputs, and a transposed view contiguous along the reduction, as the model holds them.
-    from specloop.kernels.gemv import head_gemv
+    from specloop.kernels.latent_heads import head_gemv
 
     for heads, k, n in ((3, 40, 70), (4, 300, 24)):
         x = torch.randn(heads, k, dtype=dtype, device=device)
@@ -366,7 +366,8 @@ def check_skinny_linear(device: str, dtype: torch.dtype) -> None:
         assert rel_err(out, torch.nn.functional.linear(act.double(), w.double())) < TOL[dtype], "fused SiLU differs"
     # The few-rows op set runs them for a layer's norm + projection and activation + projection.
     from specloop.models.layers import RMSNorm
-    from specloop.models.ops import FEW_ROWS_OPS, TRITON_OPS, gated_linear, norm_linear
+    from specloop.models.few_rows_ops import FEW_ROWS_OPS
+    from specloop.models.ops import TRITON_OPS, gated_linear, norm_linear
     from specloop.models.parallel import ColumnParallelLinear, RowParallelLinear, Shard
 
     norm = RMSNorm(64, 1e-6).to(device=device, dtype=dtype)
@@ -612,6 +613,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.gemv as gemv
     import specloop.kernels.kv_write as kv_write_mod
     import specloop.kernels.last_sums as last_sums
+    import specloop.kernels.latent_heads as latent_heads
     import specloop.kernels.matmul as matmul
     import specloop.kernels.mla_attention as mla
     import specloop.kernels.mla_rope_cache as mla_rope
@@ -642,7 +644,7 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram)
+               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram, latent_heads)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -735,6 +737,16 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                 mla.mla_attention(qn, qr, lat, qsl, seq_lens, bt, scale=0.1, max_query_len=max_q, num_splits=splits)
             mla_rope.mla_rope_cache(qr, torch.randn(4, 576, dtype=dtype), torch.arange(4), cos[:, :32], sin[:, :32],
                                     torch.ones(512, dtype=dtype), 1e-6, lat, torch.arange(4))
+            # One token: the rotary beside W_UK's product, W_UV's product merging the splits (and not).
+            w_kv = torch.randn(128, 256, 512, dtype=dtype)  # kv_b_proj's [heads, nope + v, rank]
+            q1 = torch.randn(1, 128, 192, dtype=dtype)
+            latent_heads.rope_cache_uk(q1[:, :, :128], q1[:, :, 128:], torch.randn(1, 576, dtype=dtype), torch.arange(1),
+                                       cos[:, :32], sin[:, :32], torch.ones(512, dtype=dtype), 1e-6, lat,
+                                       torch.arange(1), w_kv[:, :128])
+            parts = mla.mla_attention(qn[:1], qr[:1], lat, qsl[:2], seq_lens[:1], bt[:1], scale=0.1, max_query_len=1,
+                                      num_splits=8, merge=False)
+            for x in (parts, qn[0]):
+                latent_heads.head_gemv(x, w_kv[:, 128:].transpose(1, 2))
             route.moe_route(torch.randn(4, 256), torch.randn(256), 8, 1, num_groups=8, topk_groups=4)  # V3
             route.moe_route(torch.randn(4, 64), None, 6, 2, softmax=True, renormalize=False)  # V2-Lite
             for tokens in (4, 512):

@@ -68,8 +68,37 @@ def check_mla_attention(device: str, dtype: torch.dtype, cases: list | None = No
         out = torch.full((q.shape[0], heads, rank), float("nan"), dtype=dtype, device=device)
         mla_attention(to(q_nope), to(q_rope), to(cache), to(qsl), to(seq_lens), to(table), scale=scale,
                       max_query_len=max(q_lens), num_splits=splits, out=out)
-        err = rel_err(out, reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale))
+        want = reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale)
+        err = rel_err(out, want)
         assert err < TOL[dtype], f"mla case {heads, rank, rope, page, q_lens, ctx, splits}: rel err {err:.2e}"
+    _check_unmerged_w_uv(device, dtype)
+
+
+def _check_unmerged_w_uv(device: str, dtype: torch.dtype) -> None:
+    """One token over a long context in several splits, left unmerged: W_UV's product merging them
+    (``latent_heads.head_gemv`` on ``SplitParts``) equals the merged attention times W_UV, and one
+    split past the context (no keys) weighs nothing."""
+    from specloop.kernels.latent_heads import SplitParts, head_gemv
+
+    heads, rank, rope, page, v = 3, 40, 16, 8, 24
+    for context, splits in ((70, 4), (3, 8), (21, 1)):
+        blocks = -(-context // page)
+        table = torch.randperm(blocks + 2)[:blocks].view(1, blocks).int()
+        cache = torch.randn(blocks + 2, page, rank + rope, dtype=dtype)
+        q_nope, q_rope = torch.randn(1, heads, rank, dtype=dtype), torch.randn(1, heads, rope, dtype=dtype)
+        w_uv = (torch.randn(heads, v, rank, dtype=dtype) / rank ** 0.5).transpose(1, 2)  # as the model holds it
+        qsl, seq_lens, scale = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32), 0.2
+        to = lambda t: t.to(device)  # noqa: E731
+        args = (to(q_nope), to(q_rope), to(cache), to(qsl), to(seq_lens), to(table))
+        parts = mla_attention(*args, scale=scale, max_query_len=1, num_splits=splits, merge=False)
+        merged = mla_attention(*args, scale=scale, max_query_len=1, num_splits=splits)
+        assert isinstance(parts, SplitParts) == (splits > 1), f"{splits} splits returned {type(parts).__name__}"
+        got = head_gemv(parts if splits > 1 else parts[0], to(w_uv), num_sms=4)
+        assert torch.allclose(got.float(), head_gemv(merged[0], to(w_uv), num_sms=4).float(), rtol=TOL[dtype],
+                              atol=TOL[dtype]), f"merged inside W_UV's product differs at {context} keys, {splits} splits"
+        attended = reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale)[0]
+        want = torch.bmm(attended[:, None], w_uv.double())[:, 0]
+        assert rel_err(got, want) < TOL[dtype], f"W_UV of unmerged splits at {context} keys: {rel_err(got, want):.2e}"
 
 
 def check_mla_rope_cache(device: str, dtype: torch.dtype) -> None:
@@ -79,6 +108,7 @@ def check_mla_rope_cache(device: str, dtype: torch.dtype) -> None:
     cos, sin = rope_tables(64, rope, 10000.0)
     positions, slots = torch.tensor([0, 1, 7, 63, 20, 3]), torch.tensor([5, 0, 17, -1, 9, 2])
     q = torch.randn(tokens, heads, nope + rope, dtype=dtype)
+    q_in = q.clone()  # (on the CPU the kernel rotates q itself)
     proj = torch.randn(tokens, 10 + rank + rope, dtype=dtype)  # [q_a | c_kv | k_rope], as the fused projection
     latent, weight = proj[:, 10:], torch.randn(rank, dtype=dtype)
     cache = torch.randn(num_blocks, page, rank + rope, dtype=dtype)
@@ -95,6 +125,23 @@ def check_mla_rope_cache(device: str, dtype: torch.dtype) -> None:
     assert rel_err(q_d[:, :, nope:], want_q) < TOL[dtype], "q_rope differs"
     assert torch.equal(q_d[:, :, :nope].cpu(), q[:, :, :nope]), "the kernel touched q_nope"
     assert rel_err(cache_d, want_cache) < TOL[dtype], "latent cache rows differ"
+    # One token: the same work beside W_UK's per-head product, in one launch (latent_heads).
+    from specloop.kernels.latent_heads import head_gemv, rope_cache_uk
+
+    w_uk = torch.randn(heads, nope, rank, dtype=dtype) / nope ** 0.5
+    for t in (2, 3):  # a cache row written; a padding slot (-1) writing none
+        q1, cache1 = to(q_in[t:t + 1].clone()), to(cache.clone())
+        q_latent = rope_cache_uk(q1[:, :, :nope], q1[:, :, nope:], proj_d[t:t + 1, 10:], to(positions[t:t + 1]),
+                                 to(cos), to(sin), to(weight), 1e-6, cache1, to(slots[t:t + 1]), to(w_uk), num_sms=2)
+        want_cache1 = cache.clone()
+        if slots[t] >= 0:
+            want_cache1.view(-1, rank + rope)[slots[t]] = want_cache.view(-1, rank + rope)[slots[t]]
+        assert rel_err(q1[:, :, nope:], want_q[t:t + 1]) < TOL[dtype], "q_rope differs beside W_UK"
+        assert rel_err(cache1, want_cache1) < TOL[dtype], "latent cache rows differ beside W_UK"
+        assert torch.equal(q_latent[0].cpu(), head_gemv(to(q_in[t, :, :nope]), to(w_uk), num_sms=2).cpu()), \
+            "W_UK's product beside the rotary differs from head_gemv's"
+        want_latent = torch.bmm(q_in[t, :, None, :nope].double(), w_uk.double())[:, 0]
+        assert rel_err(q_latent[0], want_latent) < TOL[dtype], "W_UK's product beside the rotary"
 
 
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -174,7 +221,7 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
         pairs = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(4, 16, 4, 2, -(-top_k // 2)))
         assert rel_err(pairs, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, two picks a program"
     # The few-rows op set runs it for a one-token step in half precision, the grouped kernels else.
-    from specloop.models.ops import FEW_ROWS_OPS
+    from specloop.models.few_rows_ops import FEW_ROWS_OPS
 
     x, w13, w2, weights, ids = (t.to(device) for t in (x, w13, w2, weights, ids))
     for t in (1, 2):

@@ -113,14 +113,16 @@ def check_runner_matches_torch(device: str, dtype: str, variant: str = "qwen3", 
 
 def check_few_rows_decode(device: str, variant: str) -> None:
     """The few-rows kernels (``skinny_gemv``: one-row linear layers with their norm or activation
-    fused in, and for DeepSeek the one-token MoE) decode a lone request in float16 to the same
+    fused in, and for DeepSeek the one-token MoE and latent attention's fused products, over
+    contexts of one flash-decoding split and of two) decode a lone request in float16 to the same
     tokens as the gpu runner without them."""
     import specloop.kernels.gemv as gemv
+    import specloop.kernels.latent_heads as latent_heads
     import specloop.kernels.skinny_moe as skinny_moe
 
     model = tiny(variant)
-    calls = {"linear": 0, "moe": 0}
-    launch, moe = gemv._launch, skinny_moe.skinny_moe
+    calls = {"linear": 0, "moe": 0, "rope_uk": 0, "merged_uv": 0}
+    launch, moe, rope_uk, uv = gemv._launch, skinny_moe.skinny_moe, latent_heads.rope_cache_uk, latent_heads.head_gemv
 
     def counted(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -128,24 +130,36 @@ def check_few_rows_decode(device: str, variant: str) -> None:
             return fn(*args, **kwargs)
         return call
 
+    def merged_uv(x: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["merged_uv"] += isinstance(x, latent_heads.SplitParts)
+        return uv(x, *args, **kwargs)
+
     outs = {}
     gemv._launch, skinny_moe.skinny_moe = counted("linear", launch), counted("moe", moe)
+    latent_heads.rope_cache_uk, latent_heads.head_gemv = counted("rope_uk", rope_uk), merged_uv
     try:
-        for skinny in (False, True):
-            runner = make_runner(model.path, "gpu", device, "float16", plugin_options={"gpu": {"skinny_gemv": skinny}})
+        # without the few-rows kernels; with them, latent attention's products fused, then not
+        for options in ({"skinny_gemv": False}, {"skinny_gemv": True}, {"skinny_gemv": True, "fused_latent": False}):
+            before = dict(calls)
+            runner = make_runner(model.path, "gpu", device, "float16", plugin_options={"gpu": options})
             plans = Plans(runner, 4, 64)
-            (prompt,) = prompts(1, seed=2, min_len=9, max_len=9)
+            (prompt,) = prompts(1, seed=2, min_len=28, max_len=28)  # 29-36 keys: one split, then two
             plans.add("a", prompt, GREEDY)
             plans.run({"a": len(prompt)})
             for _ in range(8):
                 plans.run({"a": 1})
-            outs[skinny] = plans.reqs["a"].tokens
-            if not skinny:
-                assert calls == {"linear": 0, "moe": 0}, calls
+            outs[str(options)] = plans.reqs["a"].tokens
+            if not options["skinny_gemv"]:
+                assert not any(calls.values()), calls
+            if "fused_latent" in options:
+                assert calls["rope_uk"] == before["rope_uk"] and calls["merged_uv"] == before["merged_uv"], calls
+            if "deepseek" in variant and len(options) == 1 and options["skinny_gemv"]:
+                assert calls["rope_uk"] >= 8 and calls["merged_uv"] >= 1, calls
     finally:
         gemv._launch, skinny_moe.skinny_moe = launch, moe
+        latent_heads.rope_cache_uk, latent_heads.head_gemv = rope_uk, uv
     assert calls["linear"] >= 8 * 4 and (calls["moe"] >= 8 or "deepseek" not in variant), calls
-    assert outs[True] == outs[False], (variant, outs)
+    assert len(set(map(tuple, outs.values()))) == 1, (variant, outs)
 
 
 def check_launch_options(device: str, variant: str, options: tuple[str, ...] = ("rope_in_attention",)) -> None:

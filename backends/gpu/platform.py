@@ -16,7 +16,7 @@ CUDA, off with ``batch_invariant``, which it cannot be combined with: the target
 ``kernels.gemv`` in steps of up to ``skinny_rows`` rows (at most 16; by default 2 for a model of small
 projections, 1 otherwise: ``default_skinny_rows``), cuBLAS in the
 rest, and the op set fuses a decoder layer's norms and activation into them,
-``models.ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
+``models.few_rows_ops.FewRowsOps``) and ``graph_sampling`` (default on: a decode
 step's CUDA graph draws each row's token, ``backends.gpu.graphs``; one rank only) and
 ``late_verification`` (default on, with asynchronous scheduling and ``device_proposals``: a greedy
 verification whose next proposal launched from the device is read a step late, the next step
@@ -40,7 +40,10 @@ count leaves the chip short of programs, with more splits, replayed when the lon
 each split two tiles, ``backends.gpu.graphs``; dense attention only) and ``moe_down_groups`` (by
 default ``MOE_DOWN_GROUPS`` where the kernel runs: the one-token MoE's down projection spreads a
 token's experts over that many programs a block of hidden units, ``kernels.skinny_moe``; other than
-1, refused where that kernel does not run).
+1, refused where that kernel does not run) and ``fused_latent`` (default on with ``skinny_gemv``:
+latent attention at one token in three kernels, its rotary and cache write beside ``W_UK``'s
+product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; refused without
+``skinny_gemv``).
 Any other key is refused.
 """
 
@@ -53,10 +56,11 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
-from specloop.kernels import last_sums, pdl, skinny_moe
+from specloop.kernels import last_sums, latent_heads, pdl, skinny_moe
 from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_routed_rows
 from specloop.kernels.gemv import few_rows_linear
-from specloop.models.ops import FEW_ROWS_OPS, TORCH_OPS, TRITON_OPS, Ops
+from specloop.models.few_rows_ops import FEW_ROWS_OPS
+from specloop.models.ops import TORCH_OPS, TRITON_OPS, Ops
 from specloop.models.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear
 from specloop.plugins.options import options_of
 
@@ -86,7 +90,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups")
+               "long_context_graphs", "moe_down_groups", "fused_latent")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -127,6 +131,10 @@ class GpuPlatform:
             raise ValueError(f"plugin_options['gpu']['moe_down_groups'] must be an integer from 1 to 64 (programs "
                              f"over a token's experts in the one-token MoE's down projection), got {groups!r}")
         self.moe_down_groups = groups
+        if opts.get("fused_latent") and not self.skinny_gemv:
+            raise ValueError("plugin_options['gpu']['fused_latent'] fuses kernels of the few-rows op set, which "
+                             "skinny_gemv is off for")
+        self.fused_latent = bool(opts.get("fused_latent", True))
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -144,6 +152,7 @@ class GpuPlatform:
             runner.attn_backend.rope_in_attention = self.rope_in_attention
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
+        latent_heads.set_fused(self.fused_latent)
         skinny_moe.set_down_groups(self.moe_down_groups or (MOE_DOWN_GROUPS if one_token_moe else 1))
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")

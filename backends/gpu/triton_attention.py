@@ -15,6 +15,7 @@ import torch
 from specloop.models.attention import PAGED_KV_LAYOUT, AttentionMetadata
 from specloop.models.config import ModelConfig
 from specloop.kernels.kv_write import kv_write
+from specloop.kernels.latent_heads import SplitParts
 from specloop.kernels.mla_attention import head_blocks, mla_attention
 from specloop.kernels.paged_attention import DecodeRope, choose_num_splits, paged_attention
 
@@ -126,6 +127,14 @@ class TritonAttentionBackend:
         return mla_attention(q_nope, q_rope, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                              scale=scale, max_query_len=meta.max_query_len,
                              num_splits=self.latent_num_splits(meta, q_nope.shape[1]))
+
+    def attend_latent_unmerged(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                               meta: AttentionMetadata, scale: float) -> torch.Tensor | SplitParts:
+        """:meth:`attend_latent` for one token, its flash-decoding splits left unmerged
+        (``kernels.latent_heads``: W_UV's product merges them)."""
+        return mla_attention(q_nope, q_rope, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                             scale=scale, max_query_len=1, num_splits=self.latent_num_splits(meta, q_nope.shape[1]),
+                             merge=False)
 
     def tune_decode(self, kv_cache: torch.Tensor, num_q_heads: int, num_seqs: int, context: int) -> None:
         """Time each of :attr:`DECODE_CONFIGS` on a synthetic decode batch (``num_seqs`` sequences of
