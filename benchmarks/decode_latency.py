@@ -32,7 +32,8 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
              ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
              ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs),
-             ("moe_down_groups", args.moe_down_groups), ("fused_latent", args.fused_latent))
+             ("moe_down_groups", args.moe_down_groups), ("fused_latent", args.fused_latent),
+             ("fused_routing", args.fused_routing))
     gpu = {name: value for name, value in flags if value is not None}
     return {"gpu": gpu} if gpu else {}
 
@@ -125,6 +126,9 @@ def main() -> None:
     parser.add_argument("--fused-latent", action=argparse.BooleanOptionalAction, default=None,
                         help="the GPU runner's fused_latent option (one-token latent attention in three kernels; on "
                         "by default)")
+    parser.add_argument("--fused-routing", action=argparse.BooleanOptionalAction, default=None,
+                        help="the GPU runner's fused_routing option (at one token the experts' first kernel picks "
+                        "them; on by default)")
     args = parser.parse_args()
     bandwidth, results = begin_shapes("decode_latency", "decode latency", args)
     from tqdm import tqdm
