@@ -1,6 +1,7 @@
 """Work split across programs, summed by the last of them to finish, not by a second kernel.
 
-A few-rows projection split along its inputs, and flash-decoding split along the keys, leave
+A few-rows projection split along its inputs, flash-decoding split along the keys, and the
+one-token MoE's down projection spread over groups of a token's experts leave
 partial results that a second, tiny kernel used to combine: at batch 1 that is a launch (and a
 dependency) per split op, a few microseconds each in a step of a few hundred. Instead each program
 stores its part, then counts its arrival with an atomic (:func:`arrive`); the program that arrives

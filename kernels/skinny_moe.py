@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import last_sums, pdl
+from .last_sums import arrive
 from .moe_route import Routing, check_logits, route
 from .pdl import wait_previous
 
@@ -85,8 +86,9 @@ def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, logits_pt
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.constexpr, PICKS: tl.constexpr,
-                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, final_ptr, count_ptr, I, H, TOP_K: tl.constexpr,
+                 PICKS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 LAST_SUMS: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,8 +114,15 @@ def _down_kernel(h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, I, H, TOP_K: tl.c
             total += (acc * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
     if GROUPS == 1:
         tl.store(out_ptr + token * H + cols, total.to(dtype), mask=col_ok)
-    else:  # float32 partial sums, added in order by _sum_groups_kernel
+    else:  # float32 partial sums, added in order by _sum_groups_kernel or the block's last group (last_sums)
         tl.store(out_ptr + (token * GROUPS + group) * H + cols, total, mask=col_ok)
+        if LAST_SUMS:
+            if arrive(count_ptr, token * tl.num_programs(1) + tl.program_id(1), GROUPS):
+                total = tl.zeros([BLOCK_N], tl.float32)
+                for g in tl.static_range(GROUPS):
+                    total += tl.load(out_ptr + (token * GROUPS + g) * H + cols, mask=col_ok, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(final_ptr + token * H + cols, total.to(final_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -218,10 +227,12 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     picks = triton.cdiv(top_k, rest[0] if rest else _down_groups)
     groups = triton.cdiv(top_k, picks)
     part = out if groups == 1 else torch.empty(tokens, groups, hidden, dtype=torch.float32, device=x.device)
+    by_last = groups > 1 and last_sums.enabled() and tokens * triton.cdiv(hidden, block_n) <= last_sums.MAX_COUNTS
     _down_kernel[(tokens, triton.cdiv(hidden, block_n), groups)](
-        h, w2, ids, weights, part, inter, hidden, TOP_K=top_k, PICKS=picks, GROUPS=groups, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
-    if groups > 1:
+        h, w2, ids, weights, part, out, last_sums.counts(x.device) if by_last else part, inter, hidden, TOP_K=top_k,
+        PICKS=picks, GROUPS=groups, BLOCK_N=block_n, BLOCK_K=block_k, LAST_SUMS=by_last, num_warps=warps,
+        num_stages=stages, **pdl.launch_options(x.device))
+    if groups > 1 and not by_last:
         _sum_groups_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
             part, out, hidden, GROUPS=groups, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch_options(x.device))
     return out

@@ -767,6 +767,13 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
                                       torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm,
                                       down_tile=(*skinny_moe.DOWN_TILE, groups))
+            last_sums.set_enabled(True)  # the groups' sums added by each block's last group
+            try:
+                skinny_moe.skinny_moe(h, torch.empty(66, 2816, 2048, dtype=dtype), torch.empty(66, 2048, 1408, dtype=dtype),
+                                      torch.rand(1, 8), torch.randint(0, 66, (1, 8), dtype=torch.int32),
+                                      down_tile=(*skinny_moe.DOWN_TILE, 8))
+            finally:
+                last_sums.set_enabled(False)
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

@@ -218,6 +218,16 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
             assert rel_err(one_each, out.double().cpu()) < 1e-6, f"skinny_moe case {case}, a pick a program"
         else:
             assert torch.equal(one_each, out), f"skinny_moe case {case}, a pick a program"
+        # ... and added by each block's last group to finish (last_sums), in the same order: the same bits.
+        import specloop.kernels.last_sums as last_sums
+
+        last_sums.set_enabled(True)
+        try:
+            by_last = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(*DOWN_TILE, top_k))
+        finally:
+            last_sums.set_enabled(False)
+        assert torch.equal(by_last, one_each), f"skinny_moe case {case}, the last group's sum"
+        assert not last_sums.counts(torch.device(device)).any(), "arrival counts left non-zero"
         pairs = skinny_moe(to(x), to(w13), to(w2), to(weights), to(ids), down_tile=(4, 16, 4, 2, -(-top_k // 2)))
         assert rel_err(pairs, grouped.double().cpu()) < TOL[dtype] / 4, f"skinny_moe case {case}, two picks a program"
     # The few-rows op set runs it for a one-token step in half precision, the grouped kernels else.

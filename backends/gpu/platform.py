@@ -30,7 +30,8 @@ inside the attention kernel, one launch a layer fewer, ``kernels.paged_attention
 the H200 it made qwen3-0.6b's batch-1 decode 5% slower, batch 4 3% faster) and ``last_sums``
 (default off: a few-rows projection split along its inputs has its slices added by the last program
 of each column block to finish, counted by an atomic, instead of by a second kernel, and
-flash-decoding's splits merged likewise, ``kernels.last_sums``; on the H200 2.5% slower at batch 1)
+flash-decoding's splits and the one-token MoE's down groups merged likewise, ``kernels.last_sums``;
+on the H200 2.5% slower at qwen3-0.6b's batch 1)
 and ``decode_tile`` (the decode attention tile, one of ``TritonAttentionBackend.DECODE_CONFIGS`` as
 ``[keys a tile, warps, stages]``; by default the fastest of them timed at start-up, which two
 engines of one process may choose differently: a benchmark comparing them gives both one; refused
