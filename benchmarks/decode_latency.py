@@ -27,14 +27,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ModelCost, base_args, begin_shapes, build_checkpoint, plot, report, save  # noqa: E402
 
 
+# The GPU runner's options this benchmark sets from the command line: (option, type, what it does);
+# a bool option is --name / --no-name, unset means the runner's default.
+GPU_FLAGS = (
+    ("skinny_gemv", bool, "kernels/gemv.py in one-row steps; on by default on CUDA"),
+    ("graph_sampling", bool, "decode graphs draw their tokens; on by default"),
+    ("pdl", bool, "programmatic dependent launch; on by default on Hopper where it pays"),
+    ("rope_in_attention", bool, "a decode step's rotary and KV write inside the attention kernel; off by default"),
+    ("skinny_rows", int, "the most rows a step its few-rows kernels take"),
+    ("last_sums", bool, "split work added by its last program, not a second kernel; off by default"),
+    ("long_context_graphs", bool, "decode graphs with more splits, replayed over long contexts; off by default"),
+    ("moe_down_groups", int, "programs over a token's experts in the one-token MoE's down projection; 8 where it "
+     "runs by default"),
+    ("fused_latent", bool, "one-token latent attention in three kernels; on by default"),
+    ("fused_routing", bool, "at one token the experts' first kernel picks them; on by default"),
+)
+
+
 def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
     """``plugin_options`` for the GPU runner flags given on the command line (none: its defaults)."""
-    flags = (("skinny_gemv", args.skinny_gemv), ("graph_sampling", args.graph_sampling), ("pdl", args.pdl),
-             ("rope_in_attention", args.rope_in_attention), ("last_sums", args.last_sums),
-             ("skinny_rows", args.skinny_rows), ("long_context_graphs", args.long_context_graphs),
-             ("moe_down_groups", args.moe_down_groups), ("fused_latent", args.fused_latent),
-             ("fused_routing", args.fused_routing))
-    gpu = {name: value for name, value in flags if value is not None}
+    gpu = {name: getattr(args, name) for name, _, _ in GPU_FLAGS if getattr(args, name) is not None}
     return {"gpu": gpu} if gpu else {}
 
 
@@ -103,32 +115,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs at batch 1 (median)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--runner", default=None)
-    parser.add_argument("--skinny-gemv", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's skinny_gemv option (kernels/gemv.py in one-row steps; on by default on CUDA)")
-    parser.add_argument("--graph-sampling", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's graph_sampling option (decode graphs draw their tokens; on by default)")
-    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's pdl option (programmatic dependent launch; on by default on Hopper)")
-    parser.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's rope_in_attention option (a decode step's rotary and KV write inside "
-                        "the attention kernel; off by default)")
-    parser.add_argument("--skinny-rows", type=int, default=None,
-                        help="the GPU runner's skinny_rows option (the most rows a step its few-rows kernels take)")
-    parser.add_argument("--last-sums", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's last_sums option (a split projection's slices added by its last "
-                        "program, not a second kernel; off by default)")
-    parser.add_argument("--long-context-graphs", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's long_context_graphs option (decode graphs with more splits, replayed "
-                        "over long contexts; off by default)")
-    parser.add_argument("--moe-down-groups", type=int, default=None,
-                        help="the GPU runner's moe_down_groups option (programs over a token's experts in the "
-                        "one-token MoE's down projection; 8 where it runs by default)")
-    parser.add_argument("--fused-latent", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's fused_latent option (one-token latent attention in three kernels; on "
-                        "by default)")
-    parser.add_argument("--fused-routing", action=argparse.BooleanOptionalAction, default=None,
-                        help="the GPU runner's fused_routing option (at one token the experts' first kernel picks "
-                        "them; on by default)")
+    for name, kind, what in GPU_FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), default=None, help=f"the GPU runner's {name} option ({what})",
+                            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}))
     args = parser.parse_args()
     bandwidth, results = begin_shapes("decode_latency", "decode latency", args)
     from tqdm import tqdm

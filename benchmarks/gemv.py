@@ -50,7 +50,8 @@ from specloop.kernels.gemv import (DEFAULT_TILE, DOT_BLOCK_N, DOT_ROWS, DOT_TILE
                                    choose_block_n, skinny_linear)
 from specloop.kernels import pdl  # noqa: E402
 from specloop.kernels.mla_attention import mla_attention  # noqa: E402
-from specloop.kernels.paged_attention import choose_num_splits, paged_attention  # noqa: E402
+from specloop.kernels.paged_attention import paged_attention  # noqa: E402
+from specloop.kernels.splits import choose_num_splits  # noqa: E402
 from specloop.kernels.skinny_moe import DOWN_TILE, GATE_UP_TILE, skinny_moe  # noqa: E402
 
 

@@ -11,7 +11,7 @@ microseconds of launch and drain for well under a microsecond of bytes, so here 
   head's ``q_rope``, the cache write); the two read and write disjoint data;
 * the attention, its splits left unmerged (:class:`SplitParts`);
 * :func:`head_gemv` on those partials: each program merges its head's splits as
-  ``kernels.paged_attention``'s reduction does (same weights, the merged row rounded to the
+  ``kernels.splits``' reduction does (same weights, the merged row rounded to the
   activation dtype) and multiplies the row by its block of ``W_UV``.
 
 A product accumulates in float32 and is rounded once, as ``torch.bmm`` rounds. A program owns
@@ -29,6 +29,7 @@ import triton.language as tl
 from . import pdl
 from .mla_rope_cache import _rope_cache_token, check_rope_cache
 from .pdl import wait_previous
+from .splits import split_weights
 
 BLOCK_K = 128
 _FUSED = True  # the GPU runner's fused_latent option
@@ -71,15 +72,9 @@ def _head_products(x_ptr, acc_ptr, ml_ptr, w_ptr, out_ptr, head, block, K, N, st
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    if SPLITS > 1:  # the merge's weights, as kernels.paged_attention._reduce_splits_kernel computes them
+    if SPLITS > 1:  # the merge's weights, as kernels.splits' reduction weighs them
         part = head * SPLITS + tl.arange(0, SPLITS)
-        m = tl.load(ml_ptr + part * 2)
-        l = tl.load(ml_ptr + part * 2 + 1)
-        m_max = tl.max(m, 0)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weight = tl.where(l > 0.0, tl.math.exp2(m - m_max), 0.0)
-        denom = tl.sum(l * weight, 0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
+        l, weight, denom = split_weights(ml_ptr, part)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K

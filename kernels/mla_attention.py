@@ -11,7 +11,7 @@ The grid is ``(q_blocks, head_blocks, splits)``. A program owns ``BLOCK_Q`` quer
 sequence times ``BLOCK_H`` heads (rows of one ``tl.dot`` tile, padded to 16), so each latent tile is
 read once for all those heads; in a decode batch (one new token per sequence) program = sequence. With
 ``splits > 1`` (split-K flash-decoding) each program covers a slice of the keys and the partial
-results are merged by :mod:`.paged_attention`'s reduction kernel, which keeps the chip busy when few
+results are merged by :mod:`.splits`' reduction kernel, which keeps the chip busy when few
 sequences decode over long contexts.
 """
 
@@ -23,8 +23,9 @@ import triton.language as tl
 
 from . import pdl
 from .latent_heads import SplitParts
-from .paged_attention import _UNSPECIALIZED, _find_seq, _reduce_splits_kernel, _unused_parts, prefill_splits
+from .paged_attention import _UNSPECIALIZED, _find_seq
 from .pdl import wait_previous
+from .splits import _reduce_splits_kernel, _unused_parts, prefill_splits
 
 BLOCK_H_MAX = 16  # heads per program
 BLOCK_N = 32  # keys per tile: a [RANK, 32] bf16 tile of DeepSeek's 512-wide latent is 32 KiB

@@ -155,7 +155,7 @@ def test_dense_attention_splits_its_keys_until_the_chip_is_filled_four_times() -
     """A decode step of few sequences x KV heads splits its keys until the programs fill the chip
     four times over (132 SMs), in slices of two tiles at least; a step of as many programs as
     SMs runs unsplit."""
-    from specloop.kernels.paged_attention import choose_num_splits
+    from specloop.kernels.splits import choose_num_splits
 
     assert choose_num_splits(16, 8, 32768) == 4  # 128 programs -> 512
     assert choose_num_splits(8, 8, 32768) == 8

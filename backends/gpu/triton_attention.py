@@ -17,7 +17,8 @@ from specloop.models.config import ModelConfig
 from specloop.kernels.kv_write import kv_write
 from specloop.kernels.latent_heads import SplitParts
 from specloop.kernels.mla_attention import head_blocks, mla_attention
-from specloop.kernels.paged_attention import DecodeRope, choose_num_splits, paged_attention
+from specloop.kernels.paged_attention import DecodeRope, paged_attention
+from specloop.kernels.splits import choose_num_splits
 
 logger = logging.getLogger("specloop")
 
