@@ -40,7 +40,6 @@ GPU_FLAGS = (
     ("moe_down_groups", int, "programs over a token's experts in the one-token MoE's down projection; 8 where it "
      "runs by default"),
     ("fused_latent", bool, "one-token latent attention in three kernels; on by default"),
-    ("fused_routing", bool, "at one token the experts' first kernel picks them; on by default"),
 )
 
 

@@ -11,8 +11,6 @@ scaled. Picks are made by repeated argmax (lowest index on ties), in descending 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -22,17 +20,18 @@ from .pdl import wait_previous
 
 
 @triton.jit
-def route(
-    logits_ptr, bias_ptr, scale,
+def _moe_route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_o, scale,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """One token's picks from its logits row at ``logits_ptr``: (weights float32, expert ids int32),
-    both ``[PICKS_PAD]``, the first ``TOP_K + NUM_SHARED`` of them valid."""
+    wait_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EXPERTS_PAD)
     ok = e < NUM_EXPERTS
-    x = tl.load(logits_ptr + e, mask=ok, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, 0))
         score = p / tl.sum(p, 0)
@@ -74,55 +73,9 @@ def route(
     shared = (k >= TOP_K) & (k < TOP_K + NUM_SHARED)
     picked_w = tl.where(shared, 1.0, picked_w)
     picked_id = tl.where(shared, NUM_EXPERTS + k - TOP_K, picked_id)
-    return picked_w, picked_id
-
-
-@triton.jit
-def _moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_o, scale,
-    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    picked_w, picked_id = route(logits_ptr + t * stride_l, bias_ptr, scale, NUM_EXPERTS, EXPERTS_PAD, NUM_GROUPS,
-                                GROUPS_PAD, TOPK_GROUPS, TOP_K, NUM_SHARED, PICKS_PAD, SOFTMAX, HAS_BIAS,
-                                GROUP_BY_TOP2, RENORMALIZE)
-    k = tl.arange(0, PICKS_PAD)
     out = k < TOP_K + NUM_SHARED
     tl.store(weights_ptr + t * stride_o + k, picked_w, mask=out)
     tl.store(ids_ptr + t * stride_o + k, picked_id, mask=out)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How a router's logits pick experts (:func:`moe_route`'s keyword arguments)."""
-
-    top_k: int
-    num_shared: int = 0
-    softmax: bool = False
-    num_groups: int = 1
-    topk_groups: int = 1
-    group_by_top2: bool = True
-    renormalize: bool = True
-    scale: float = 1.0
-
-    @property
-    def picks(self) -> int:
-        return self.top_k + self.num_shared
-
-    def constexprs(self, experts: int, has_bias: bool) -> dict[str, object]:
-        """The arguments of :func:`route` after ``scale``, by name, for ``experts`` experts."""
-        if experts % self.num_groups or self.top_k > experts:
-            raise ValueError(f"{experts} experts in {self.num_groups} groups, top {self.top_k}: not possible")
-        grouped = self.num_groups > 1 and self.topk_groups < self.num_groups
-        return dict(NUM_EXPERTS=experts, EXPERTS_PAD=triton.next_power_of_2(experts),
-                    NUM_GROUPS=self.num_groups if grouped else 1, GROUPS_PAD=triton.next_power_of_2(self.num_groups),
-                    TOPK_GROUPS=self.topk_groups, TOP_K=self.top_k, NUM_SHARED=self.num_shared,
-                    PICKS_PAD=triton.next_power_of_2(self.picks), SOFTMAX=self.softmax, HAS_BIAS=has_bias,
-                    GROUP_BY_TOP2=self.group_by_top2, RENORMALIZE=self.renormalize)
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_shared: int = 0, *,
@@ -130,26 +83,23 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_s
               renormalize: bool = True, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` float32 ``[T, E]`` (unit last stride); ``bias`` float32 ``[E]`` or None. Returns
     (weights float32 ``[T, top_k + num_shared]``, expert ids int32 ``[T, top_k + num_shared]``)."""
-    return route_with(logits, bias, Routing(top_k, num_shared, softmax, num_groups, topk_groups, group_by_top2,
-                                            renormalize, scale))
-
-
-def route_with(logits: torch.Tensor, bias: torch.Tensor | None, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`moe_route` with its arguments as a :class:`Routing`."""
     tokens, experts = logits.shape
-    check_logits(logits, bias)
-    constexprs = routing.constexprs(experts, bias is not None)
-    weights = torch.empty(tokens, routing.picks, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(tokens, routing.picks, dtype=torch.int32, device=logits.device)
+    if logits.stride(-1) != 1 or (bias is not None and bias.shape != (experts,)):
+        raise ValueError(f"logits {tuple(logits.shape)} need a unit last stride, bias [{experts}]")
+    if experts % num_groups or top_k > experts:
+        raise ValueError(f"{experts} experts in {num_groups} groups, top {top_k}: not possible")
+    picks = top_k + num_shared
+    weights = torch.empty(tokens, picks, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, picks, dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
+    grouped = num_groups > 1 and topk_groups < num_groups
     _moe_route_kernel[(tokens,)](
-        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), routing.picks, routing.scale,
-        **constexprs, num_warps=4 if experts >= 128 else 1, **pdl.launch_options(logits.device),
+        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), picks, scale,
+        NUM_EXPERTS=experts, EXPERTS_PAD=triton.next_power_of_2(experts), NUM_GROUPS=num_groups if grouped else 1,
+        GROUPS_PAD=triton.next_power_of_2(num_groups), TOPK_GROUPS=topk_groups, TOP_K=top_k, NUM_SHARED=num_shared,
+        PICKS_PAD=triton.next_power_of_2(picks), SOFTMAX=softmax, HAS_BIAS=bias is not None,
+        GROUP_BY_TOP2=group_by_top2, RENORMALIZE=renormalize, num_warps=4 if experts >= 128 else 1,
+        **pdl.launch_options(logits.device),
     )
     return weights, ids
-
-
-def check_logits(logits: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if logits.dim() != 2 or logits.stride(-1) != 1 or (bias is not None and bias.shape != (logits.shape[1],)):
-        raise ValueError(f"logits {tuple(logits.shape)} need a unit last stride, bias [{logits.shape[-1]}]")

@@ -27,34 +27,18 @@ import triton.language as tl
 
 from . import last_sums, pdl
 from .last_sums import arrive
-from .moe_route import Routing, check_logits, route
 from .pdl import wait_previous
 
 MAX_TOKENS = 4
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, logits_ptr, bias_ptr, weights_ptr, scale,
-                    stride_l, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                    ROUTE: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                    ROUTED_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
-                    PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
     pair = tl.program_id(0)
     token = pair // TOP_K
-    if ROUTE:  # every program picks its token's experts from the router's logits (kernels.moe_route)
-        picked_w, picked_id = route(logits_ptr + token * stride_l, bias_ptr, scale, NUM_EXPERTS, EXPERTS_PAD,
-                                    NUM_GROUPS, GROUPS_PAD, TOPK_GROUPS, ROUTED_K, NUM_SHARED, PICKS_PAD, SOFTMAX,
-                                    HAS_BIAS, GROUP_BY_TOP2, RENORMALIZE)
-        k = tl.arange(0, PICKS_PAD)
-        expert = tl.sum(tl.where(k == pair % TOP_K, picked_id, 0), 0).to(tl.int64)
-        if (pair % TOP_K == 0) & (tl.program_id(1) == 0):  # the picks, for the down kernel
-            tl.store(ids_ptr + token * TOP_K + k, picked_id, mask=k < TOP_K)
-            tl.store(weights_ptr + token * TOP_K + k, picked_w, mask=k < TOP_K)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
@@ -146,18 +130,6 @@ GATE_UP_TILE = (4, 128, 2, 3)
 DOWN_TILE = (4, 512, 4, 2)
 SUM_BLOCK = 512
 _down_groups = 1
-_fused_routing = True  # the GPU runner's fused_routing option
-
-
-def set_fused_routing(on: bool) -> None:
-    """Whether ``models.few_rows_ops`` has the gate/up kernel pick the experts (else the routing
-    kernel does, before it)."""
-    global _fused_routing
-    _fused_routing = bool(on)
-
-
-def fused_routing() -> bool:
-    return _fused_routing
 
 
 def set_down_groups(groups: int) -> None:
@@ -167,11 +139,10 @@ def set_down_groups(groups: int) -> None:
     _down_groups = int(groups)
 
 
-def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor | None,
-               topk_ids: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None = None,
+def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
                gate_up_tile: tuple[int, int, int, int] = GATE_UP_TILE,
-               down_tile: tuple[int, ...] = DOWN_TILE,
-               route: tuple[torch.Tensor, torch.Tensor | None, Routing] | None = None) -> torch.Tensor:
+               down_tile: tuple[int, ...] = DOWN_TILE) -> torch.Tensor:
     """:func:`~specloop.kernels.fused_moe.fused_moe` for at most ``MAX_TOKENS`` tokens: ``x`` ``[T, H]``
     (unit last stride), ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` contiguous, ``topk_weights``
     float32 and ``topk_ids`` int ``[T, top_k]``. With ``norm`` (an RMSNorm's weight and eps) the
@@ -179,23 +150,13 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     ``down_tile``: each kernel's ``(BLOCK_N, BLOCK_K, warps, stages)``, the down kernel's with an
     optional fifth, ``groups`` (else :func:`set_down_groups`'s): its picks spread over that many
     programs a block of hidden units, whose float32 partial sums a third kernel adds in order (one
-    pick a group: the same bits as one group). ``route``, instead of the picks: the router's float32
-    logits ``[T, E]``, its correction bias or None, and how they pick (``kernels.moe_route``); the
-    gate/up kernel's programs then pick the experts themselves, one routing launch fewer.
+    pick a group: the same bits as one group).
     Returns ``[T, H]`` in ``x``'s dtype."""
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
     if tokens > MAX_TOKENS:
         raise ValueError(f"the few-tokens MoE takes at most {MAX_TOKENS} tokens, got {tokens}")
-    if route is not None:
-        logits, bias, routing = route
-        check_logits(logits, bias)
-        if logits.shape[0] != tokens or logits.shape[1] + routing.num_shared != num_experts:
-            raise ValueError(f"router logits {tuple(logits.shape)} do not match {tokens} tokens and "
-                             f"{num_experts - routing.num_shared} routed experts")
-        topk_ids = torch.empty(tokens, routing.picks, dtype=torch.int32, device=x.device)
-        topk_weights = torch.empty(tokens, routing.picks, dtype=torch.float32, device=x.device)
     if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and routing "
                          f"{tuple(topk_ids.shape)} disagree")
@@ -210,19 +171,10 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     weights = topk_weights.float().contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
-    if route is not None:
-        router = dict(logits=logits, bias=bias if bias is not None else logits, scale=routing.scale,
-                      stride_l=logits.stride(0), ROUTE=True, **routing.constexprs(logits.shape[1], bias is not None))
-        router["ROUTED_K"] = router.pop("TOP_K")
-    else:
-        router = dict(logits=weights, bias=weights, scale=1.0, stride_l=0, ROUTE=False, NUM_EXPERTS=1, EXPERTS_PAD=1,
-                      NUM_GROUPS=1, GROUPS_PAD=1, TOPK_GROUPS=1, ROUTED_K=1, NUM_SHARED=0, PICKS_PAD=1, SOFTMAX=False,
-                      HAS_BIAS=False, GROUP_BY_TOP2=False, RENORMALIZE=False)
     block_n, block_k, warps, stages = gate_up_tile
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
-        x, norm_weight, w13, ids, h, inter, hidden, eps, router.pop("logits"), router.pop("bias"), weights,
-        router.pop("scale"), router.pop("stride_l"), TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, **router, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
+        x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
     block_n, block_k, warps, stages, *rest = down_tile
     picks = triton.cdiv(top_k, rest[0] if rest else _down_groups)
     groups = triton.cdiv(top_k, picks)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ForwardContext, LatentAttentionShape, TritonOps, _composed_norm_linear, _composed_norm_moe, routing
+from .ops import ForwardContext, LatentAttentionShape, TritonOps, _composed_norm_linear, _composed_norm_moe
 
 
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of a few rows (``kernels.gemv``'s
     ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of experts with the
-    norm before it in three or four (the router's product, ``kernels.skinny_moe``'s kernels, the
-    first of them picking the experts), and
+    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two), and
     latent attention at one token in three (``kernels.latent_heads``: the rotary and cache write
     beside ``W_UK``'s product, the attention, its splits merged inside ``W_UV``'s product): at
     batch 1 the step is a few hundred small kernels, and each one less saves its launch gap inside
@@ -45,18 +44,14 @@ class FewRowsOps(TritonOps):
                 or w13.dtype != x.dtype):
             return _composed_norm_moe(self, x, residual, norm, moe)
         from specloop.kernels.gemv import skinny_norm_linear
-        from specloop.kernels.skinny_moe import fused_routing, skinny_moe
+        from specloop.kernels.skinny_moe import skinny_moe
 
         # The norm runs inside the router's product (float32 weights and logits, which also writes
         # the residual sum) and again inside the experts' gate/up kernel, from that sum.
         logits, residual = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
                                               out_dtype=torch.float32)
-        bias, norm_args = moe.gate.e_score_correction_bias, (norm.weight, norm.eps)
-        if fused_routing():  # the experts' first kernel picks them
-            return skinny_moe(residual, w13, moe.experts.w2, None, None, norm=norm_args,
-                              route=(logits, bias, routing(moe.config))), residual
-        weights, ids = self.moe_route(logits, bias, moe.config)
-        return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=norm_args), residual
+        weights, ids = self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config)
+        return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), residual
 
     def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
                       positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

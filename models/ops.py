@@ -12,7 +12,7 @@ may keep some products in float32, so in bf16 the sets agree up to near-ties, in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,6 @@ import torch.nn.functional as F
 from .attention import PAGED_KV_LAYOUT, AttentionBackend, AttentionMetadata
 from .config import MoEConfig
 from .layers import RotaryEmbedding, rms_norm
-
-if TYPE_CHECKING:
-    from specloop.kernels.moe_route import Routing
 
 
 class ForwardContext(Protocol):
@@ -269,25 +266,18 @@ class TritonOps:
 
     def moe_route(self, logits: torch.Tensor, bias: torch.Tensor | None, moe: MoEConfig
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        from specloop.kernels.moe_route import route_with
+        from specloop.kernels.moe_route import moe_route
 
-        return route_with(logits, bias, routing(moe))
+        return moe_route(logits, bias, moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
+                         num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
+                         topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
+                         renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
         from specloop.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids)
-
-
-def routing(moe: MoEConfig) -> Routing:
-    """The Triton router's arguments for ``moe``'s picks."""
-    from specloop.kernels.moe_route import Routing
-
-    return Routing(moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
-                   num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
-                   group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
-                   scale=moe.routed_scaling_factor)
 
 
 def add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module

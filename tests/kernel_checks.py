@@ -755,13 +755,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                               torch.randint(0, 64, (tokens, 6)))
             h = torch.randn(1, 2048, dtype=dtype)  # a MoE router with its norm: float32 weight and logits
             gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(64, 2048), split=1, out_dtype=torch.float32)
-            from specloop.kernels.moe_route import Routing
-
-            for routing in (Routing(6, 2, softmax=True, renormalize=False), Routing(8, 1, num_groups=8, topk_groups=4)):
-                experts = 64 if routing.top_k == 6 else 256  # V2-Lite's, V3's, picked by the gate/up kernel
-                skinny_moe.skinny_moe(h, torch.empty(experts + routing.num_shared, 2816, 2048, dtype=dtype),
-                                      torch.empty(experts + routing.num_shared, 2048, 1408, dtype=dtype), None, None,
-                                      norm=(h[0], 1e-6), route=(torch.randn(1, experts), torch.randn(experts), routing))
             for norm, groups in ((None, 1), ((h[0], 1e-6), 1), (None, 4)):  # groups: the down kernel's picks spread
                 skinny_moe.skinny_moe(h, torch.randn(66, 2816, 2048, dtype=dtype),
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),

@@ -44,9 +44,7 @@ token's experts over that many programs a block of hidden units, ``kernels.skinn
 1, refused where that kernel does not run) and ``fused_latent`` (default on with ``skinny_gemv``:
 latent attention at one token in three kernels, its rotary and cache write beside ``W_UK``'s
 product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; refused without
-``skinny_gemv``) and ``fused_routing`` (default on with ``skinny_gemv``: at one token the
-experts' first kernel picks them from the router's logits, no routing kernel,
-``kernels.skinny_moe``; refused without ``skinny_gemv``).
+``skinny_gemv``).
 Any other key is refused.
 """
 
@@ -93,7 +91,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "fused_latent", "fused_routing")
+               "long_context_graphs", "moe_down_groups", "fused_latent")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -134,12 +132,10 @@ class GpuPlatform:
             raise ValueError(f"plugin_options['gpu']['moe_down_groups'] must be an integer from 1 to 64 (programs "
                              f"over a token's experts in the one-token MoE's down projection), got {groups!r}")
         self.moe_down_groups = groups
-        for name in ("fused_latent", "fused_routing"):
-            if opts.get(name) and not self.skinny_gemv:
-                raise ValueError(f"plugin_options['gpu']['{name}'] fuses kernels of the few-rows op set, which "
-                                 "skinny_gemv is off for")
+        if opts.get("fused_latent") and not self.skinny_gemv:
+            raise ValueError("plugin_options['gpu']['fused_latent'] fuses kernels of the few-rows op set, which "
+                             "skinny_gemv is off for")
         self.fused_latent = bool(opts.get("fused_latent", True))
-        self.fused_routing = bool(opts.get("fused_routing", True))
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -158,7 +154,6 @@ class GpuPlatform:
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
         latent_heads.set_fused(self.fused_latent)
-        skinny_moe.set_fused_routing(self.fused_routing)
         skinny_moe.set_down_groups(self.moe_down_groups or (MOE_DOWN_GROUPS if one_token_moe else 1))
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
