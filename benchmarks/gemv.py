@@ -58,10 +58,14 @@ from specloop.kernels.skinny_moe import DOWN_TILE, GATE_UP_TILE, skinny_moe  # n
 def layer_shapes(shape: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of each linear layer, fused as the model runs them."""
     s = SHAPES[shape]
-    h, heads, kv, d, inter = (s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
-                              s["intermediate_size"])
-    return [("qkv", (heads + 2 * kv) * d, h), ("o", h, heads * d), ("gate_up", 2 * inter, h), ("down", h, inter),
-            ("lm_head", s["vocab_size"], h)]
+    h, heads, inter = s["hidden_size"], s["num_attention_heads"], s["intermediate_size"]
+    if "kv_lora_rank" in s:  # DeepSeek (no q LoRA): q and the latent in one product; the dense layer's MLP
+        q = heads * (s["qk_nope_head_dim"] + s["qk_rope_head_dim"])
+        attention = [("qkv_a", q + s["kv_lora_rank"] + s["qk_rope_head_dim"], h), ("o", h, heads * s["v_head_dim"])]
+    else:
+        kv, d = s["num_key_value_heads"], s["head_dim"]
+        attention = [("qkv", (heads + 2 * kv) * d, h), ("o", h, heads * d)]
+    return attention + [("gate_up", 2 * inter, h), ("down", h, inter), ("lm_head", s["vocab_size"], h)]
 
 
 def time_call(fn: Callable[[int], Any], copies: int, calls: int, replays: int) -> float:
