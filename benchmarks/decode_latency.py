@@ -115,8 +115,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--runner", default=None)
     for name, kind, what in GPU_FLAGS:
+        how = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
         parser.add_argument("--" + name.replace("_", "-"), default=None, help=f"the GPU runner's {name} option ({what})",
-                            **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}))
+                            **how)
     args = parser.parse_args()
     bandwidth, results = begin_shapes("decode_latency", "decode latency", args)
     from tqdm import tqdm

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemv import _num_sms
 from .mla_rope_cache import _rope_cache_token, check_rope_cache
 from .pdl import wait_previous
 from .splits import split_weights
@@ -102,7 +103,8 @@ def _head_gemv_kernel(x_ptr, acc_ptr, ml_ptr, w_ptr, out_ptr, K, N, stride_xh, s
 @triton.jit
 def _rope_cache_uk_kernel(
     qn_ptr, qr_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, nw_ptr, eps, cache_ptr, slot_ptr, w_ptr, out_ptr,
-    stride_qh, stride_qrt, stride_qrh, stride_lt, stride_cb, stride_cs, K, N, stride_wh, stride_wk, stride_wn, stride_oh,
+    stride_qh, stride_qrt, stride_qrh, stride_lt, stride_cb, stride_cs, K, N, stride_wh, stride_wk, stride_wn,
+    stride_oh,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCKS: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
@@ -113,14 +115,13 @@ def _rope_cache_uk_kernel(
         _head_products(qn_ptr, qn_ptr, qn_ptr, w_ptr, out_ptr, pid // BLOCKS, pid % BLOCKS, K, N, stride_qh,
                        stride_wh, stride_wk, stride_wn, stride_oh, 1, 1, BLOCK_K, BLOCK_N)
     else:
-        _rope_cache_token(pid - NUM_HEADS * BLOCKS, qr_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, nw_ptr, eps, cache_ptr, slot_ptr,
-                          stride_qrt, stride_qrh, stride_lt, stride_cb, stride_cs, NUM_HEADS, HEADS_PAD, RANK,
-                          RANK_PAD, HALF, HALF_PAD, PAGE_SIZE)
+        _rope_cache_token(pid - NUM_HEADS * BLOCKS, qr_ptr, latent_ptr, pos_ptr, cos_ptr, sin_ptr, nw_ptr, eps,
+                          cache_ptr, slot_ptr, stride_qrt, stride_qrh, stride_lt, stride_cb, stride_cs, NUM_HEADS,
+                          HEADS_PAD, RANK, RANK_PAD, HALF, HALF_PAD, PAGE_SIZE)
 
 
 def _block_n(heads: int, n: int, num_sms: int | None, device: torch.device) -> int:
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    num_sms = num_sms or _num_sms(device)
     return max(16, min(128, 1 << max(0, (heads * n // num_sms).bit_length() - 1)))
 
 
@@ -136,7 +137,8 @@ def head_gemv(x: torch.Tensor | SplitParts, w: torch.Tensor, num_sms: int | None
     if isinstance(x, SplitParts):
         heads, k, dtype, device = x.heads, x.dim, x.dtype, x.acc.device
         if x.acc.numel() < heads * x.splits * x.dim_pad or x.ml.numel() < heads * x.splits * 2:
-            raise ValueError(f"partials {x.acc.numel()} / {x.ml.numel()} too small for {heads} heads x {x.splits} splits")
+            raise ValueError(f"partials {x.acc.numel()} / {x.ml.numel()} too small for {heads} heads x "
+                             f"{x.splits} splits")
         args, splits, k_pad, stride_xh = (x.acc, x.acc, x.ml), x.splits, x.dim_pad, 0
     else:
         heads, k = x.shape
