@@ -56,19 +56,18 @@ class FewRowsOps(TritonOps):
     def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
                       positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         from specloop.kernels import latent_heads
-        from specloop.kernels.latent_heads import head_gemv, rope_cache_uk
 
         unmerged = getattr(ctx.backend, "attend_latent_unmerged", None)
         if not (_one_token(q, attn.w_uk) and unmerged is not None and latent_heads.fused()):
             return super().mla_attention(attn, q, latent, positions, ctx)
-
         heads, nope = attn.num_heads, attn.qk_nope_head_dim
         q = q.unflatten(-1, (heads, -1))
         q_rope, kv_cache, norm = q[:, :, nope:], ctx.kv_caches[attn.layer_idx], attn.kv_a_layernorm
-        q_latent = rope_cache_uk(q[:, :, :nope], q_rope, latent, positions, attn.rotary.cos, attn.rotary.sin,
-                                 norm.weight, norm.eps, kv_cache, ctx.metadata.slot_mapping, attn.w_uk)
-        out = unmerged(q_latent, q_rope, kv_cache, ctx.metadata, attn.scale)
-        return head_gemv(out if not isinstance(out, torch.Tensor) else out[0], attn.w_uv_t).view(1, -1)
+        q_latent = latent_heads.rope_cache_uk(q[:, :, :nope], q_rope, latent, positions, attn.rotary.cos,
+                                              attn.rotary.sin, norm.weight, norm.eps, kv_cache,
+                                              ctx.metadata.slot_mapping, attn.w_uk)
+        out = unmerged(q_latent, q_rope, kv_cache, ctx.metadata, attn.scale)  # one split: merged already
+        return latent_heads.head_gemv(out[0] if isinstance(out, torch.Tensor) else out, attn.w_uv_t).view(1, -1)
 
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if _one_token(x, w):
