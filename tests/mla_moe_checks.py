@@ -68,8 +68,7 @@ def check_mla_attention(device: str, dtype: torch.dtype, cases: list | None = No
         out = torch.full((q.shape[0], heads, rank), float("nan"), dtype=dtype, device=device)
         mla_attention(to(q_nope), to(q_rope), to(cache), to(qsl), to(seq_lens), to(table), scale=scale,
                       max_query_len=max(q_lens), num_splits=splits, out=out)
-        want = reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale)
-        err = rel_err(out, want)
+        err = rel_err(out, reference_mla(q_nope, q_rope, cache, qsl, seq_lens, table, scale))
         assert err < TOL[dtype], f"mla case {heads, rank, rope, page, q_lens, ctx, splits}: rel err {err:.2e}"
     _check_unmerged_w_uv(device, dtype)
 
