@@ -310,7 +310,7 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
         runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                            plugin_options={"gpu": {"skinny_gemv": True}})
         runner.shutdown()
-        assert skinny_moe._down_groups == platform.MOE_DOWN_GROUPS == 4
+        assert skinny_moe._down_groups == platform.MOE_DOWN_GROUPS == 8
         runner = runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
                                            plugin_options={"gpu": {"skinny_gemv": True}})
         runner.shutdown()
