@@ -300,9 +300,9 @@ def persistent_decode(programs: int, warps: int, *args: torch.Tensor | float | i
     wait for each other, so all of them must be resident at once: on a GPU the first launch of each
     shape compiles the kernel and refuses a count the device cannot hold together (a launch would
     hang)."""
-    # Registers a thread capped at an SM's share for HELD_WARPS warps (so that two programs of half
-    # as many warps fit an SM too).
-    launch = dict(num_warps=warps, num_stages=1, maxnreg=65536 // (32 * HELD_WARPS))
+    launch = dict(num_warps=warps, num_stages=1)
+    if warps < HELD_WARPS:  # registers capped at HELD_WARPS' share, so that several programs fit an SM
+        launch["maxnreg"] = 65536 // (32 * HELD_WARPS)
     first = args[0]
     if isinstance(first, torch.Tensor) and first.is_cuda:
         key = (first.device, programs, warps, tuple(sorted(meta.items())))
