@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests spectests offline decode decode8b peer prefill gemv tune moe long_context probe persistent attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b peer prefill gemv tune moe long_context probe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -107,16 +107,6 @@ for s in $stages; do
       done ;;
     probe)  # a decoder's projection chain in one persistent kernel with grid barriers, against the few-rows kernels
       stage persistent_probe "${T_PROBE:-80}" python3 benchmarks/persistent_probe.py --out "$RES/probe" ;;
-    persistent)  # a batch-1 step's layers in one kernel (persistent_decode): its GPU tests, then qwen3-0.6b
-                 # batch-1 decode without it, with it (1 and 2 programs an SM), without, with, in turn
-      stage persistent_tests "${T_PERSISTENT_TESTS:-150}" python3 -P -m pytest -q -m gpu -p no:cacheprovider -rfE \
-             --tb=short tests/test_gpu_backend.py -k persistent
-      for opts in "--no-persistent-decode" "--persistent-decode" "--persistent-decode --persistent-programs 2" \
-                  "--no-persistent-decode" "--persistent-decode"; do
-        name=$(echo "$opts" | tr -d '-' | tr ' ' '_')
-        stage "decode_$name" "${T_DECODE_PERSISTENT:-60}" python3 benchmarks/decode_latency.py --out "$RES/$name" \
-             --ckpt-root "$CKPT" --shapes "${PERSISTENT_SHAPES:-qwen3-0.6b}" --batch-sizes 1 $opts
-      done ;;
     attention)  # decode attention of qwen3-0.6b at batches of sequences: every tile and split count swept
       stage attention_tune "${T_ATTENTION:-150}" python3 benchmarks/gemv.py --out "$RES/attention" --skip-linear \
              --moe-shapes "" --attention-shapes qwen3-0.6b --attention-batches "${ATTENTION_BATCHES:-1,4,16,32,64,256}" \

@@ -23,8 +23,13 @@ whole tile in registers, loaded in one go; the next projection's tile is request
 program arrives at a barrier, so its weights stream in while the program waits for the others
 (weights do not depend on the barrier, only activations do), and after the barrier only the
 activations remain to be read. Only where every tile fits a program's registers (qwen3-0.6b's at
-one or two programs an SM; not llama3-8b's). ``--device cpu`` under ``TRITON_INTERPRET=1`` checks
-both layouts at a tiny shape with one program (the interpreter runs programs one after another).
+one program an SM; not llama3-8b's). On an H100 it beat the short loops but not the few-rows
+kernels (qwen3-0.6b: 681.6 us against 854-957 and 621.8; docs/benchmarks.md, session of
+2026-12-05, fifth), and a whole decode step built that way ran 790 tok/s against 978. A layout
+whose programs the device cannot hold at once would hang at its first barrier: each is compiled
+first and skipped if its registers, threads or shared memory do not fit. ``--device cpu`` under
+``TRITON_INTERPRET=1`` checks both layouts at a tiny shape with one program (the interpreter runs
+programs one after another).
 """
 
 from __future__ import annotations
@@ -227,6 +232,22 @@ def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
         wait_for(counter_ptr, (layer * 4 + 4) * G)
 
 
+def resident(kernel: object, args: tuple, meta: dict, programs: int, device: torch.device) -> str | None:
+    """Why ``programs`` programs of ``kernel`` could not all be resident at once on ``device`` (its
+    programs wait for each other at barriers, so a launch that cannot hold them all hangs), or None:
+    the compiled kernel's registers (a warp's in 256s), threads and shared memory against an SM's."""
+    compiled = kernel.warmup(*args, grid=(programs,), **meta)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    regs = -(-compiled.n_regs * 32 // 256) * 256 * warps
+    per_sm = min(props.regs_per_multiprocessor // max(regs, 1), props.max_threads_per_multi_processor // (32 * warps),
+                 props.shared_memory_per_multiprocessor // max(compiled.metadata.shared, 1))
+    if programs > per_sm * props.multi_processor_count:
+        return f"{programs} programs do not fit at once ({compiled.n_regs} registers a thread, {warps} warps)"
+    return None
+
+
 def held_rows(n: int, programs: int) -> int:
     """Rows a program of the held layout owns: enough for ``programs`` to cover ``n``, a power of two."""
     return triton.next_power_of_2(triton.cdiv(n, programs))
@@ -308,17 +329,22 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
         counter = torch.zeros(1, device=dev, dtype=torch.int32)
         # (The interpreter runs no inline assembly: no L2 requests on a CPU.)
         for prefetch, work in ((False, False), (False, True), (True, True))[:3 if dev.type == "cuda" else 2]:
+            chain_args = (x, qkv, h, act, wqkv, wo, wgu, wd, counter)
+            chain_meta = dict(H=H, HP=triton.next_power_of_2(H), QKV=QKV, Q=Q, I=I, LAYERS=L, BN1=bns[0], BN2=bns[1],
+                              BN3=bns[2], BN4=bns[3], LP1=prefetch_lines(bns[0], H), LP2=prefetch_lines(bns[1], Q),
+                              LP3=prefetch_lines(bns[2], H), LP4=prefetch_lines(bns[3], I), BK=args.block_k,
+                              PREFETCH=prefetch, WORK=work, num_warps=args.warps, num_stages=args.stages)
+
             def step():
                 counter.zero_()
                 x.copy_(x0)
-                _chain_kernel[(G,)](x, qkv, h, act, wqkv, wo, wgu, wd, counter, H=H, HP=triton.next_power_of_2(H),
-                                    QKV=QKV, Q=Q, I=I, LAYERS=L, BN1=bns[0], BN2=bns[1], BN3=bns[2], BN4=bns[3],
-                                    LP1=prefetch_lines(bns[0], H), LP2=prefetch_lines(bns[1], Q), LP3=prefetch_lines(bns[2], H),
-                                    LP4=prefetch_lines(bns[3], I),
-                                    BK=args.block_k, PREFETCH=prefetch, WORK=work, num_warps=args.warps,
-                                    num_stages=args.stages)
+                _chain_kernel[(G,)](*chain_args, **chain_meta)
             name = f"{programs}x{sms} programs, " + ("barriers only" if not work else
                                                      "prefetch" if prefetch else "no prefetch")
+            why = resident(_chain_kernel, chain_args, chain_meta, G, dev) if dev.type == "cuda" else None
+            if why is not None:
+                row[name] = f"skipped: {why}"
+                continue
             try:
                 us = timed(step)
             except Exception as e:
@@ -342,12 +368,18 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
             row[name] = f"skipped: {live} tile elements live, past {2 * HELD_ELEMENTS} a thread"
             continue
 
+        held_args = (x, qkv, h, act, wqkv, wo, wgu, wd, counter)
+        held_meta = dict(H=H, HP=pads[0], QKV=QKV, Q=Q, QP=pads[1], I=I, IP=pads[2], LAYERS=L, BN1=bns[0],
+                         BN2=bns[1], BN3=bns[2], BN4=bns[3], num_warps=warps, num_stages=1)
+        why = resident(_held_kernel, held_args, held_meta, G, dev) if dev.type == "cuda" else None
+        if why is not None:
+            row[name] = f"skipped: {why}"
+            continue
+
         def held():
             counter.zero_()
             x.copy_(x0)
-            _held_kernel[(G,)](x, qkv, h, act, wqkv, wo, wgu, wd, counter, H=H, HP=pads[0], QKV=QKV, Q=Q, QP=pads[1],
-                               I=I, IP=pads[2], LAYERS=L, BN1=bns[0], BN2=bns[1], BN3=bns[2], BN4=bns[3],
-                               num_warps=warps, num_stages=1)
+            _held_kernel[(G,)](*held_args, **held_meta)
         try:
             us = timed(held)
         except Exception as e:
