@@ -194,21 +194,34 @@ def _apply(tile, x_ptr, scale, pid, K, BN: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def _ahead(w_ptr, pid, G, N, K, BN: tl.constexpr, LP: tl.constexpr, AHEAD: tl.constexpr):
+    """With ``AHEAD``: ask L2 for this program's block of ``w`` (the step after next's)."""
+    if AHEAD:
+        ask_l2(w_ptr, pid, G, N, K, BN, LP)
+
+
+@triton.jit
 def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_ptr, counter_ptr,
                  H: tl.constexpr, HP: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr, QP: tl.constexpr,
                  I: tl.constexpr, IP: tl.constexpr, LAYERS: tl.constexpr, BN1: tl.constexpr, BN2: tl.constexpr,
-                 BN3: tl.constexpr, BN4: tl.constexpr):
+                 BN3: tl.constexpr, BN4: tl.constexpr, LP1: tl.constexpr, LP2: tl.constexpr,
+                 LP3: tl.constexpr, LP4: tl.constexpr, AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     zero = (pid * 0).to(tl.int64)
     w1 = _tile(wqkv_ptr, pid, QKV, H, BN1, HP)
+    _ahead(wo_ptr, pid, G, H, Q, BN2, LP2, AHEAD)
     for layer in range(LAYERS):
         at = zero + layer
+        nxt = tl.minimum(at + 1, LAYERS - 1)
         scale = _rstd(x_ptr, H, HP, 1e-6)  # qkv = Wqkv rms(x)
         rows, acc = _apply(w1, x_ptr, scale, pid, H, BN1, HP)
         tl.store(qkv_ptr + rows, acc, mask=rows < QKV)
         arrive(counter_ptr)
         w2 = _tile(wo_ptr + at * H * Q, pid, H, Q, BN2, QP)  # streams in while this program waits
+        # (AHEAD: the block after it from HBM into L2 meanwhile, so that it streams from L2 next)
+        _ahead(wgu_ptr + at * 2 * I * H, pid, G, I, H, BN3, LP3, AHEAD)
+        _ahead(wgu_ptr + (at * 2 + 1) * I * H, pid, G, I, H, BN3, LP3, AHEAD)
         wait_for(counter_ptr, (layer * 4 + 1) * G)
         rows, acc = _apply(w2, qkv_ptr, 1.0, pid, Q, BN2, QP)  # h = x + Wo qkv[:q]
         ok = rows < H
@@ -216,6 +229,7 @@ def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
         arrive(counter_ptr)
         wg = _tile(wgu_ptr + at * 2 * I * H, pid, I, H, BN3, HP)
         wu = _tile(wgu_ptr + (at * 2 + 1) * I * H, pid, I, H, BN3, HP)
+        _ahead(wd_ptr + at * H * I, pid, G, H, I, BN4, LP4, AHEAD)
         wait_for(counter_ptr, (layer * 4 + 2) * G)
         scale = _rstd(h_ptr, H, HP, 1e-6)  # act = silu(g) * u, [g | u] = Wgu rms(h)
         rows, g = _apply(wg, h_ptr, scale, pid, H, BN3, HP)
@@ -223,29 +237,15 @@ def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
         tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rows < I)
         arrive(counter_ptr)
         w4 = _tile(wd_ptr + at * H * I, pid, H, I, BN4, IP)
+        _ahead(wqkv_ptr + nxt * QKV * H, pid, G, QKV, H, BN1, LP1, AHEAD)
         wait_for(counter_ptr, (layer * 4 + 3) * G)
         rows, acc = _apply(w4, act_ptr, 1.0, pid, I, BN4, IP)  # x = h + Wd act
         ok = rows < H
         tl.store(x_ptr + rows, acc + tl.load(h_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg"), mask=ok)
         arrive(counter_ptr)
-        w1 = _tile(wqkv_ptr + tl.minimum(at + 1, LAYERS - 1) * QKV * H, pid, QKV, H, BN1, HP)
+        w1 = _tile(wqkv_ptr + nxt * QKV * H, pid, QKV, H, BN1, HP)
+        _ahead(wo_ptr + nxt * H * Q, pid, G, H, Q, BN2, LP2, AHEAD)
         wait_for(counter_ptr, (layer * 4 + 4) * G)
-
-
-def resident(kernel: object, args: tuple, meta: dict, programs: int, device: torch.device) -> str | None:
-    """Why ``programs`` programs of ``kernel`` could not all be resident at once on ``device`` (its
-    programs wait for each other at barriers, so a launch that cannot hold them all hangs), or None:
-    the compiled kernel's registers (a warp's in 256s), threads and shared memory against an SM's."""
-    compiled = kernel.warmup(*args, grid=(programs,), **meta)
-    compiled._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    warps = compiled.metadata.num_warps
-    regs = -(-compiled.n_regs * 32 // 256) * 256 * warps
-    per_sm = min(props.regs_per_multiprocessor // max(regs, 1), props.max_threads_per_multi_processor // (32 * warps),
-                 props.shared_memory_per_multiprocessor // max(compiled.metadata.shared, 1))
-    if programs > per_sm * props.multi_processor_count:
-        return f"{programs} programs do not fit at once ({compiled.n_regs} registers a thread, {warps} warps)"
-    return None
 
 
 def held_rows(n: int, programs: int) -> int:
@@ -363,30 +363,33 @@ def run_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
         pads = [triton.next_power_of_2(k) for k in (H, Q, I)]
         live = max(bns[0] * pads[0] + bns[1] * pads[1], bns[1] * pads[1] + 2 * bns[2] * pads[0],
                    2 * bns[2] * pads[0] + bns[3] * pads[2], bns[3] * pads[2] + bns[0] * pads[0])
-        name = f"{programs}x{sms} programs, held tiles, {warps} warps"
-        if live > 2 * HELD_ELEMENTS * 32 * warps:
-            row[name] = f"skipped: {live} tile elements live, past {2 * HELD_ELEMENTS} a thread"
-            continue
+        for ahead in (False, True)[:2 if dev.type == "cuda" else 1]:
+            name = f"{programs}x{sms} programs, held tiles, {warps} warps" + (", L2 a step ahead" if ahead else "")
+            if live > 2 * HELD_ELEMENTS * 32 * warps:
+                row[name] = f"skipped: {live} tile elements live, past {2 * HELD_ELEMENTS} a thread"
+                continue
+            held_args = (x, qkv, h, act, wqkv, wo, wgu, wd, counter)
+            held_meta = dict(H=H, HP=pads[0], QKV=QKV, Q=Q, QP=pads[1], I=I, IP=pads[2], LAYERS=L, BN1=bns[0],
+                             BN2=bns[1], BN3=bns[2], BN4=bns[3], LP1=prefetch_lines(bns[0], H), LP2=prefetch_lines(bns[1], Q),
+                             LP3=prefetch_lines(bns[2], H), LP4=prefetch_lines(bns[3], I), AHEAD=ahead,
+                             num_warps=warps, num_stages=1)
+            why = resident(_held_kernel, held_args, held_meta, G, dev) if dev.type == "cuda" else None
+            if why is not None:
+                row[name] = f"skipped: {why}"
+                continue
 
-        held_args = (x, qkv, h, act, wqkv, wo, wgu, wd, counter)
-        held_meta = dict(H=H, HP=pads[0], QKV=QKV, Q=Q, QP=pads[1], I=I, IP=pads[2], LAYERS=L, BN1=bns[0],
-                         BN2=bns[1], BN3=bns[2], BN4=bns[3], num_warps=warps, num_stages=1)
-        why = resident(_held_kernel, held_args, held_meta, G, dev) if dev.type == "cuda" else None
-        if why is not None:
-            row[name] = f"skipped: {why}"
-            continue
-
-        def held():
-            counter.zero_()
-            x.copy_(x0)
-            _held_kernel[(G,)](*held_args, **held_meta)
-        try:
-            us = timed(held)
-        except Exception as e:
-            row[name] = f"{type(e).__name__}: {e}"
-            continue
-        row[name] = {"us": us, "arrivals_ok": int(counter.item()) == 4 * L * G, "block_rows": bns,
-                     "rel_err": float((x.double() - ref).norm() / ref.norm()), "of_bandwidth": row["bandwidth_us"] / us}
+            def held():
+                counter.zero_()
+                x.copy_(x0)
+                _held_kernel[(G,)](*held_args, **held_meta)
+            try:
+                us = timed(held)
+            except Exception as e:
+                row[name] = f"{type(e).__name__}: {e}"
+                continue
+            row[name] = {"us": us, "arrivals_ok": int(counter.item()) == 4 * L * G, "block_rows": bns,
+                         "rel_err": float((x.double() - ref).norm() / ref.norm()),
+                         "of_bandwidth": row["bandwidth_us"] / us}
     return row
 
 
