@@ -192,8 +192,7 @@ class ModelRunner:
                                                                self.block_size, profile, self.memory_baseline))
         mc = self.model_config
         shape = mc.kv_cache_shape(self.attn_backend, num_blocks, self.block_size)
-        # One allocation, a slice a layer (a kernel over every layer finds each by a stride).
-        executor.kv_caches = list(torch.zeros((mc.num_layers, *shape), dtype=self.dtype, device=self.device).unbind(0))
+        executor.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
         if self.drafter is not None:
             self.drafter.proposer.initialize(num_blocks)
         self.platform.kv_allocated(self)

@@ -40,8 +40,6 @@ GPU_FLAGS = (
     ("moe_down_groups", int, "programs over a token's experts in the one-token MoE's down projection; 8 where it "
      "runs by default"),
     ("fused_latent", bool, "one-token latent attention in three kernels; on by default"),
-    ("persistent_decode", bool, "a batch-1 step's decoder layers in one kernel; off by default"),
-    ("persistent_programs", int, "the persistent decode kernel's programs an SM"),
 )
 
 

@@ -64,21 +64,16 @@ class DecodeRope(NamedTuple):
 
 @triton.jit
 def rope_heads(x_ptr, offs, row_base, pos, cos_ptr, sin_ptr, w_ptr, eps, ok, dims, HEAD_DIM: tl.constexpr,
-                HAS_NORM: tl.constexpr, PAST_L1: tl.constexpr = False):
+                HAS_NORM: tl.constexpr):
     """Heads ``[rows, HEAD_DIM]`` at ``x_ptr + offs`` (``row_base``: each row's first element)
     normed (optional) and rotated at positions ``pos`` [rows], rounded as
     ``kernels.qk_rope_cache`` rounds them: every element is computed with its rotary partner (the
-    other half's element), read a second time, so the head stays one tile. ``PAST_L1``: read ``x``
-    past L1 (written by another SM in the same launch)."""
+    other half's element), read a second time, so the head stays one tile."""
     HALF: tl.constexpr = HEAD_DIM // 2
     partner = (dims + HALF) % HEAD_DIM
     mask = ok[:, None] & (dims[None, :] < HEAD_DIM)
-    if PAST_L1:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        xp = tl.load(x_ptr + row_base[:, None] + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        xp = tl.load(x_ptr + row_base[:, None] + partner[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    xp = tl.load(x_ptr + row_base[:, None] + partner[None, :], mask=mask, other=0.0)
     dt = x.dtype
     f = x.to(tl.float32)
     fp = xp.to(tl.float32)

@@ -72,21 +72,17 @@ class _BodyReplay:
             self.run()
 
 
-def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False, long_splits: int = 0,
-                        persistent: bool = False) -> Any:
+def eager_target_graphs(runner: Any, ragged: bool = True, decode: bool = False, long_splits: int = 0) -> Any:
     """Give a gpu runner on the CPU the target's graph executor (``backends.gpu.graphs``) with
     eager stand-ins for its ragged graphs, so that every step small enough replays one, and with
     ``decode`` for its decode graphs (``q = 1``, drawing each row's token); with ``long_splits``
-    also their long-context variants, of that many splits, replayed over any context; with
-    ``persistent`` the batch-1 decode graph runs the persistent decode kernel (one program: the
-    interpreter runs programs in turn; three shares of 16-key tiles); returns the executor."""
+    also their long-context variants, of that many splits, replayed over any context; returns the
+    executor."""
     from specloop.backends.gpu.graphs import GraphExecutor
-    from specloop.backends.gpu.persistent import PersistentDecoder
 
     eager, batch, mc = runner.parts.executor, runner.parts.builder, runner.model_config
-    one = PersistentDecoder(runner.model, runner.ops, runner.device, 1, splits=3, block_keys=16) if persistent else None
     executor = GraphExecutor(eager, batch, [1], mc.hidden_size, runner.vocab_size, lambda *_: 1, ragged=ragged,
-                             sample_in_graph=decode, decode_one=one)
+                             sample_in_graph=decode)
     size = max(executor.sizes)
     executor.graphs = {(0, t): _BodyReplay(executor._body(0, size, t)) for t in executor.ragged}
     if decode:

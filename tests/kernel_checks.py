@@ -621,7 +621,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
     import specloop.kernels.ngram as ngram
     import specloop.kernels.paged_attention as attention
     import specloop.kernels.pdl as pdl
-    import specloop.kernels.persistent_decode as persistent
     import specloop.kernels.prepare_inputs as prepare
     import specloop.kernels.verify as verify
     import specloop.kernels.qk_rope_cache as qk_rope
@@ -640,12 +639,12 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
         def __getitem__(self, grid: object):
             def launch(*args, **kwargs):
                 names = self.fn.arg_names
-                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in kwargs}
+                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
                 launches.append((self.fn, dict(zip(names, args)) | kwargs, options))
             return launch
 
     modules = (activation, kv_write_mod, attention, prepare, qk_rope, rms_norm_mod, rotary, sampling, mla, mla_rope,
-               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram, latent_heads, persistent)
+               moe, skinny_moe, route, matmul, gemv, rows_dot, verify, ngram, latent_heads)
     saved = [(m, n, getattr(m, n)) for m in modules for n in dir(m) if n.startswith("_") and n.endswith("_kernel")]
     for m, n, fn in saved:
         setattr(m, n, Recorder(fn))
@@ -768,17 +767,6 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                       down_tile=(*skinny_moe.DOWN_TILE, 8))
             finally:
                 last_sums.set_enabled(False)
-            # A batch-1 step's layers in one kernel: qwen3-0.6b (q/k norms) at one and two programs an
-            # SM, and with a q/k/v bias (Qwen2's), caches past 2^31 elements from one layer to the next.
-            for per_sm, norm, stride in ((1, True, 1 << 20), (2, True, 1 << 20), (1, False, 1 << 32)):
-                z = lambda n, dt=dtype: torch.zeros(n, dtype=dt)  # noqa: E731
-                meta = persistent.constants(1024, 16, 8, 128, 3072, 28, 132 * per_sm, 16, 64, norm, not norm,
-                                            float32=False, ahead=True)
-                persistent.persistent_decode(
-                    132 * per_sm, persistent.held_warps(per_sm), z(1024), z(1024), z(8), z(8), z(8),
-                    z(8, torch.float32), z(8, torch.float32), z(8, torch.int32), z(8, torch.int32),
-                    *(z(8) for _ in range(9)), z(8), stride, 1 << 20, z(8, torch.int32), z(8, torch.int32),
-                    z(8, torch.int64), z(8, torch.int64), cos, sin, 1e-6, 0.08, PAGE=16, **meta)
             logits = torch.randn(4, 151936, dtype=dtype)
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4), min_p=torch.zeros(4))
             sampling.gumbel_sample(logits, torch.ones(4), torch.arange(4), torch.arange(4))

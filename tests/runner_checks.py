@@ -236,62 +236,6 @@ def check_decode_graph_draws(device: str) -> None:
     assert all(out == outs["torch"] for out in outs.values()), outs
 
 
-def check_persistent_decode(device: str, variant: str, dtype: str = "float32") -> None:
-    """The batch-1 decode graph's layers in one persistent kernel (``persistent_decode``; on the
-    CPU an eager stand-in of the graph, the kernel with one program) decode the torch runner's
-    tokens: a request alone (the kernel), beside a second (the other graphs), alone again over its
-    KV written both ways. float32: equal; bf16: equal up to a near-tie. That the kernel ran: on the
-    CPU its calls are counted, on a GPU (whose graph replays make no Python call) its barrier's
-    counter holds every arrival of the last step."""
-    from specloop.backends.gpu import persistent
-
-    model = tiny(variant)
-    outs, calls, decoders = {}, [], []
-    real_init, real_call = persistent.PersistentDecoder.__init__, persistent.PersistentDecoder.__call__
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        real_init(self, *args, **kwargs)
-        decoders.append(self)
-
-    def counted(self: Any, *args: Any) -> Any:
-        calls.append(1)
-        return real_call(self, *args)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(persistent.PersistentDecoder, "__init__", init)
-        mp.setattr(persistent.PersistentDecoder, "__call__", counted)
-        for name in ("torch", "gpu"):
-            options = {"gpu": {"persistent_decode": True}} if name == "gpu" and device != "cpu" else {}
-            runner = make_runner(model.path, name, device, dtype, plugin_options=options)
-            if name == "gpu" and device == "cpu":
-                eager_target_graphs(runner, ragged=False, decode=True, persistent=True)
-            plans = Plans(runner, 4, 64)
-            pa, pb = prompts(2, seed=6, min_len=9, max_len=30)
-            plans.add("a", pa, GREEDY)
-            plans.run({"a": len(pa)})
-            for _ in range(5):
-                plans.run({"a": 1})
-            if name == "gpu" and device != "cpu":
-                one = decoders[-1]
-                arrivals = int(one.counter.item())
-                assert arrivals == 5 * one.layers * one.programs, (
-                    f"the persistent kernel's barrier counted {arrivals} arrivals, not a step's "
-                    f"{5 * one.layers * one.programs}")
-            plans.add("b", pb, GREEDY)
-            plans.run({"a": 1, "b": len(pb)})
-            for _ in range(3):
-                plans.run({"a": 1, "b": 1})
-            plans.finish("b")
-            for _ in range(4):
-                plans.run({"a": 1})
-            outs[name] = {rid: req.tokens for rid, req in plans.reqs.items()}
-    if device == "cpu":
-        assert len(calls) >= 9, f"the persistent kernel ran {len(calls)} steps of the 9 at batch 1"
-    for rid in outs["torch"]:
-        assert_same_or_near_tie(model.path, device, dtype, outs["gpu"][rid], outs["torch"][rid],
-                                f"persistent {variant} {dtype} request {rid}")
-
-
 def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
     """The gpu runner with asynchronous scheduling (the next step reads this step's tokens on the
     device; the host learns them a step late) against the synchronous torch runner, through the
@@ -706,11 +650,6 @@ def _main() -> None:
         for variant in sys.argv[1].partition(":")[2].split(","):
             check_launch_options("cpu", variant)
         print("ok rope")
-        return
-    if sys.argv[1].startswith("persistent:"):
-        for variant in sys.argv[1].partition(":")[2].split(","):
-            check_persistent_decode("cpu", variant)
-        print("ok persistent")
         return
     if sys.argv[1].startswith("launch:"):
         for name in sys.argv[1].partition(":")[2].split(","):

@@ -93,12 +93,6 @@ def test_launch_options_decode_the_same_tokens(variant: str, options: tuple[str,
     rc.check_launch_options("cuda", variant, options)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["qwen3", "qwen2", "llama"])
-def test_persistent_decode_keeps_the_torch_runners_tokens(variant: str, dtype: str) -> None:
-    rc.check_persistent_decode("cuda", variant, dtype)
-
-
 def test_async_scheduling_matches_synchronous_torch_runner() -> None:
     rc.check_async_scheduling_matches_sync("cuda", "float32")
 

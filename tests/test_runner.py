@@ -532,36 +532,3 @@ def test_host_memory_keeps_within_a_cgroup_limit(monkeypatch) -> None:
     assert kv_memory.host_memory() == (8 * gib, 6 * gib)
     del files["/sys/fs/cgroup/memory.max"]  # no cgroup v2
     assert kv_memory.host_memory() == (8 * gib, 6 * gib)
-
-
-def test_persistent_decode_option_is_checked() -> None:
-    # persistent_decode: a batch-1 decode step's layers in one kernel, run by the batch-1 decode
-    # graph; refused where no such graph is captured and for a model it cannot run, and
-    # persistent_programs without it. (The kernel itself: runner_checks.py persistent:..., under
-    # the interpreter in test_triton_kernels.py and on the device in test_gpu_backend.py.)
-    import runner_checks
-
-    from specloop.backends.gpu import persistent
-    from specloop.backends.gpu.platform import GpuPlatform
-
-    assert GpuPlatform(EngineConfig()).persistent_decode is False
-    on = {"persistent_decode": True}
-    assert GpuPlatform(EngineConfig(plugin_options={"gpu": on})).persistent_programs == 1
-    for bad in (0, 9, 1.5, True):
-        with pytest.raises(ValueError, match="persistent_programs'\\] must be an integer from 1 to 8"):
-            GpuPlatform(EngineConfig(plugin_options={"gpu": {**on, "persistent_programs": bad}}))
-    with pytest.raises(ValueError, match="persistent_programs.*persistent_decode is off"):
-        GpuPlatform(EngineConfig(plugin_options={"gpu": {"persistent_programs": 2}}))
-    with pytest.raises(ValueError, match="persistent_decode.*does not capture"):
-        runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32", plugin_options={"gpu": on})
-    deepseek, qwen = make_runner(tiny("deepseek_v3")), make_runner(tiny("qwen3"))
-    assert "not a Llama-family decoder" in persistent.unsupported(deepseek.model)
-    with pytest.raises(ValueError, match="persistent_decode'\\]: DeepseekV3ForCausalLM is not a Llama-family"):
-        persistent.PersistentDecoder(deepseek.model, deepseek.ops, torch.device("cpu"), 1)
-    assert persistent.unsupported(qwen.model) is None
-    # Its weights stacked: each layer's parameters become slices of one tensor, values unchanged.
-    before = [layer.mlp.down_proj.weight.clone() for layer in qwen.model.layers]
-    decoder = persistent.PersistentDecoder(qwen.model, qwen.ops, torch.device("cpu"), 1)
-    for i, layer in enumerate(qwen.model.layers):
-        assert layer.mlp.down_proj.weight.data_ptr() == decoder.wd[i].data_ptr()
-        assert torch.equal(layer.mlp.down_proj.weight, before[i])

@@ -80,12 +80,10 @@ def test_gpu_runner_matches_torch_runner_under_interpreter() -> None:
     # a GPU (test_gpu_backend.py); their ragged and decode bodies (the decode graph's own draws) and
     # the launch graphs run here as eager stand-ins on the graphs' buffers. The few-rows kernels
     # (DeepSeek-V3: fused norms, the one-token MoE) decode a lone request in float16 as without them,
-    # and so do decode steps with the rotary and KV write inside attention (rope_in_attention), and
-    # batch-1 decode steps in the persistent kernel (persistent_decode; one program, three shares
-    # of the keys merged by the last).
+    # and so do decode steps with the rotary and KV write inside attention (rope_in_attention).
     _run_together(("qwen3,llama,deepseek_v3", "ok runner"), ("launch:ngram", "ok launch"),
                   ("launch:medusa", "ok launch"), ("few_rows:deepseek_v3", "ok few_rows"),
-                  ("rope:qwen3,llama", "ok rope"), ("persistent:qwen3,qwen2,llama", "ok persistent"),
+                  ("rope:qwen3,llama", "ok rope"),
                   script=CHECKS.with_name("runner_checks.py"))
 
 

@@ -65,12 +65,8 @@ class GraphExecutor:
 
     def __init__(self, eager: EagerExecutor, batch: PersistentBatch, q_lens: list[int], hidden_size: int,
                  vocab_size: int, choose_splits: Callable[[int, int], int], ragged: bool = True,
-                 sample_in_graph: bool = False, long_splits: Callable[[int], int] | None = None,
-                 decode_one: Callable[..., torch.Tensor] | None = None) -> None:
+                 sample_in_graph: bool = False, long_splits: Callable[[int], int] | None = None) -> None:
         self.eager = eager
-        # (input ids, positions, metadata, caches) -> final hidden state: the batch-1 decode graph's
-        # forward in place of the model's (``backends.gpu.persistent``)
-        self.decode_one = decode_one
         self.batch = batch
         self.q_lens = q_lens
         self.choose_splits = choose_splits  # (requests, max context) -> flash-decoding splits
@@ -177,13 +173,9 @@ class GraphExecutor:
             query_start_loc_cpu=starts, seq_lens_cpu=lens, num_splits=splits)
         ctx = eager.context(meta)
         model = eager.model
-        one = self.decode_one if q == 1 and size == 1 and not long else None
 
         def run() -> None:
-            if one is not None:
-                hidden, aux = one(pb.input_ids[:1], pb.positions[:1], meta, ctx.kv_caches), []
-            else:
-                hidden, aux = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx, aux_layers=eager.aux_layers)
+            hidden, aux = model(pb.input_ids[:tokens], pb.positions[:tokens], ctx, aux_layers=eager.aux_layers)
             if eager.record is not None:
                 eager.record(hidden, aux, pb.slot_mapping[:tokens])
             self.hidden[:tokens].copy_(hidden)

@@ -44,12 +44,7 @@ token's experts over that many programs a block of hidden units, ``kernels.skinn
 1, refused where that kernel does not run) and ``fused_latent`` (default on with ``skinny_gemv``:
 latent attention at one token in three kernels, its rotary and cache write beside ``W_UK``'s
 product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; on an H100
-DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``) and
-``persistent_decode`` (default off: a batch-1 decode step's decoder layers in one kernel whose
-programs meet at grid-wide barriers, each holding its share of the next projection's weights in
-registers while it waits, ``backends.gpu.persistent``; refused for a model outside the Llama
-family or whose tiles do not fit, one that taps layers for EAGLE-3, and without CUDA graphs) with
-``persistent_programs`` (its programs an SM, default 1).
+DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``).
 Any other key is refused.
 """
 
@@ -77,7 +72,6 @@ from ..runner import ModelRunner
 from ..sampling_stage import SamplingStage
 from .fast_sampling import FastSamplingStage
 from .graphs import GraphExecutor
-from .persistent import PersistentDecoder
 from .persistent_batch import PersistentBatch
 from .batch_invariant import make_batch_invariant
 from .triton_attention import TritonAttentionBackend
@@ -97,8 +91,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "fused_latent", "persistent_decode",
-               "persistent_programs")
+               "long_context_graphs", "moe_down_groups", "fused_latent")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -143,15 +136,6 @@ class GpuPlatform:
             raise ValueError("plugin_options['gpu']['fused_latent'] fuses kernels of the few-rows op set, which "
                              "skinny_gemv is off for")
         self.fused_latent = bool(opts.get("fused_latent", True))
-        self.persistent_decode = bool(opts.get("persistent_decode", False))
-        per_sm = opts.get("persistent_programs", 1)
-        if isinstance(per_sm, bool) or not isinstance(per_sm, int) or not 1 <= per_sm <= 8:
-            raise ValueError(f"plugin_options['gpu']['persistent_programs'] must be an integer from 1 to 8 (the "
-                             f"persistent decode kernel's programs an SM), got {per_sm!r}")
-        if "persistent_programs" in opts and not self.persistent_decode:
-            raise ValueError("plugin_options['gpu']['persistent_programs'] sets the persistent decode kernel's "
-                             "programs, which persistent_decode is off for")
-        self.persistent_programs = per_sm
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -189,28 +173,14 @@ class GpuPlatform:
             # Ragged steps replay graphs too, but for the latent (MLA) and MoE kernels, whose grids
             # follow the step's shape, and in batch-invariant mode.
             ragged = mc.mla is None and mc.moe is None and not c.batch_invariant
-            decode_one = self._persistent(runner) if self.persistent_decode else None
             executor = GraphExecutor(eager, batch, list(range(1, k + 2)), mc.hidden_size, runner.vocab_size,
                                      functools.partial(backend.decode_splits, mc), ragged=ragged,
                                      sample_in_graph=self.graph_sampling and runner.tp.size == 1,
                                      long_splits=functools.partial(backend.long_decode_splits, mc)
-                                     if self.long_context_graphs else None, decode_one=decode_one)
-        elif self.persistent_decode:
-            raise ValueError("plugin_options['gpu']['persistent_decode'] runs in the batch-1 decode graph, which "
-                             "this engine does not capture (no CUDA device, cuda_graphs or fused off, or another "
-                             "attention backend)")
+                                     if self.long_context_graphs else None)
         reference = SamplingStage(runner.model, runner.vocab_size, runner.device, use_kernels=True)
         return RunnerParts(batch, executor, FastSamplingStage(reference, batch, max_tokens),
                            device_rows=batch if self.device_proposals else None)
-
-    def _persistent(self, runner: ModelRunner) -> PersistentDecoder:
-        if runner.aux_layers:
-            raise ValueError("plugin_options['gpu']['persistent_decode'] does not give the layers' hidden states "
-                             "EAGLE-3 reads")
-        sms = torch.cuda.get_device_properties(runner.device).multi_processor_count
-        logger.info("persistent decode kernel at batch 1, %d programs", sms * self.persistent_programs)
-        return PersistentDecoder(runner.model, runner.ops, runner.device, sms * self.persistent_programs,
-                                 per_sm=self.persistent_programs)
 
     def kv_allocated(self, runner: ModelRunner) -> None:
         backend, c = runner.attn_backend, runner.config
