@@ -248,6 +248,23 @@ def _held_kernel(x_ptr, qkv_ptr, h_ptr, act_ptr, wqkv_ptr, wo_ptr, wgu_ptr, wd_p
         wait_for(counter_ptr, (layer * 4 + 4) * G)
 
 
+def resident(kernel: object, args: tuple, meta: dict, programs: int, device: torch.device) -> str | None:
+    """Why ``programs`` programs of ``kernel`` could not all be resident at once on ``device`` (its
+    programs wait for each other at barriers, so a launch that cannot hold them all hangs), or None:
+    the compiled kernel's registers (a warp's in 256s), threads and shared memory against an SM's."""
+    compiled = kernel.warmup(*args, grid=(programs,), **meta)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    regs = -(-compiled.n_regs * 32 // 256) * 256 * warps
+    per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // max(regs, 1),
+                 getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
+                 getattr(props, "shared_memory_per_multiprocessor", 233472) // max(compiled.metadata.shared, 1))
+    if programs > per_sm * props.multi_processor_count:
+        return f"{programs} programs do not fit at once ({compiled.n_regs} registers a thread, {warps} warps)"
+    return None
+
+
 def held_rows(n: int, programs: int) -> int:
     """Rows a program of the held layout owns: enough for ``programs`` to cover ``n``, a power of two."""
     return triton.next_power_of_2(triton.cdiv(n, programs))
