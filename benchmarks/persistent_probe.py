@@ -25,7 +25,10 @@ program arrives at a barrier, so its weights stream in while the program waits f
 activations remain to be read. Only where every tile fits a program's registers (qwen3-0.6b's at
 one program an SM; not llama3-8b's). On an H100 it beat the short loops but not the few-rows
 kernels (qwen3-0.6b: 681.6 us against 854-957 and 621.8; docs/benchmarks.md, session of
-2026-12-05, fifth), and a whole decode step built that way ran 790 tok/s against 978. A layout
+2026-12-05, fifth), and a whole decode step built that way ran 790 tok/s against 978: a block is
+requested only once the step before it is done, so its stream from HBM hides behind the wait
+alone. Its variant "L2 a step ahead" also asks L2 for each block a step before it loads it into
+registers, so that HBM streams behind a whole step and the registers fill from L2. A layout
 whose programs the device cannot hold at once would hang at its first barrier: each is compiled
 first and skipped if its registers, threads or shared memory do not fit. ``--device cpu`` under
 ``TRITON_INTERPRET=1`` checks both layouts at a tiny shape with one program (the interpreter runs
