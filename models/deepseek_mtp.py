@@ -64,15 +64,17 @@ class DeepSeekMTP(nn.Module):
             for j in range(cfg.num_mtp_layers))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
-                ctx: ForwardContext, layer: int = 0) -> torch.Tensor:
+                ctx: ForwardContext, layer: int = 0, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``inputs_embeds`` [T, H]: embeddings of the tokens one past ``positions``; ``hidden_states``
         [T, H]: the states to continue from. Returns layer ``layer``'s output stream [T, H] (what
-        a further draft step reads as its hidden state; :meth:`logits_input` normalises it)."""
+        a further draft step reads as its hidden state; :meth:`logits_input` normalises it), or
+        with ``rows`` that of those rows only: the others write their cache entries and stop after
+        attention (the experts read only what the kept rows route to)."""
         mtp, ops = self.layers[layer], ctx.ops
         embeds = inputs_embeds.masked_fill((positions == 0)[:, None], 0.0)
         x = mtp.eh_proj(torch.cat([ops.rms_norm(embeds, mtp.enorm.weight, mtp.enorm.eps),
                                    ops.rms_norm(hidden_states, mtp.hnorm.weight, mtp.hnorm.eps)], dim=-1))
-        x, residual = mtp.block(x, None, positions, ctx)
+        x, residual = mtp.block(x, None, positions, ctx, rows=rows)
         return x + residual
 
     def logits_input(self, hidden: torch.Tensor, ops: _RMSNorm, layer: int = 0) -> torch.Tensor:

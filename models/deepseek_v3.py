@@ -50,7 +50,10 @@ class DeepseekDecoderLayer(nn.Module):
             GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: ForwardContext, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` (indices into the step's rows): only those go on past attention, and the
+        outputs are theirs; every row still writes its cache entry (a draft layer's feed, whose
+        other rows are fed for their entries alone)."""
         # Each norm runs with the projection (or the experts) after it as one op where the op set
         # fuses them (``ops.norm_linear``, ``ops.norm_moe``: the few-rows kernels at one row).
         ops, attn, mlp = ctx.ops, self.self_attn, self.mlp
@@ -60,6 +63,8 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             h, residual = add_norm(ops, x, residual, self.input_layernorm)
             x = attn(h, positions, ctx)
+        if rows is not None:
+            x, residual = x.index_select(0, rows), residual.index_select(0, rows)
         if isinstance(mlp, GatedMLP):
             gate_up, residual = norm_linear(ops, x, residual, self.post_attention_layernorm, mlp.gate_up_proj)
             return gated_linear(ops, gate_up, mlp.down_proj), residual

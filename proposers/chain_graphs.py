@@ -148,15 +148,20 @@ class ProposalGraphs(StepGraphs):
     the accepted rows (computed in the graph, which writes each request's next token into its
     device token row), the target's tokens, positions, cache slots, context lengths and block
     tables, then the proposal, then the drafts into the token rows. A launch after such a step
-    (:meth:`launch`) copies nothing in and launches nothing but the replay."""
+    (:meth:`launch`) copies nothing in and launches nothing but the replay.
+
+    ``selects``: the first step takes ``rows=`` (the newest accepted row of each request) and
+    returns those rows' outputs alone, its other rows fed for their cache entries; the first output
+    is then ``[n, H]``, a request's newest row."""
 
     ROWS = 5  # + per request: the rows it accepted, its writable slots
 
     def __init__(self, fn: StepFn, step: StepFn, argmax: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  max_reqs: int, max_len: int, block_size: int, num_steps: int,
                  extra: Sequence[tuple[tuple[int, ...], torch.dtype]] = (), rows_per_req: int = 1,
-                 pool: object = None, source: DeviceStep | None = None) -> None:
+                 pool: object = None, source: DeviceStep | None = None, selects: bool = False) -> None:
         super().__init__(fn, device, max_reqs, max_len, block_size, extra=extra, rows_per_req=rows_per_req, pool=pool)
+        self.selects = selects
         self._step, self._argmax = weakref.WeakMethod(step), weakref.WeakMethod(argmax)
         self.num_steps = num_steps
         n = max(self.sizes)
@@ -221,9 +226,14 @@ class ProposalGraphs(StepGraphs):
         return drafts[:n]
 
     def forward(self, size: int) -> tuple[torch.Tensor, ...]:
-        out = super().forward(size)[0]
         accepted, writable = self._packed[3:5, :size]
-        state = out.index_select(0, self._first_rows[:size] + accepted - 1)
+        newest_rows = self._first_rows[:size] + accepted - 1
+        if self.selects:
+            out = super().forward(size, rows=newest_rows)[0]
+            state = out.clone()  # a step may update its input state in place (a fused residual add)
+        else:
+            out = super().forward(size)[0]
+            state = out.index_select(0, newest_rows)
         newest = self._packed[0, :size * self.q:self.q] + accepted - 1  # first row's position + accepted - 1
         first = self._argmax()(state)
         if not self.num_steps:
@@ -285,12 +295,12 @@ def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int
                   num_speculative_tokens: int, extra: Sequence[tuple[tuple[int, ...], torch.dtype]],
                   pool: object = None, step: StepFn | None = None,
                   argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  source: DeviceStep | None = None) -> dict[int, StepGraphs]:
+                  source: DeviceStep | None = None, selects: bool = False) -> dict[int, StepGraphs]:
     """The first-step graphs of a head-like proposer, by rows per request: ``q = 1 .. K + 1`` (one
     plus the padded draft count of a decode or verification step), each for as many requests as
     the step's token budget allows, all in one memory pool. Given ``step`` and ``argmax`` they are
     :class:`ProposalGraphs`, the whole greedy proposal in each (fed from ``source`` too after a
-    verification, ``q >= 2``)."""
+    verification, ``q >= 2``; ``selects``: as :class:`ProposalGraphs` takes it)."""
     max_reqs = config.max_num_seqs
     budget = config.max_num_batched_tokens or max_reqs * (num_speculative_tokens + 1)
     feeds: dict[int, StepGraphs] = {}
@@ -300,7 +310,8 @@ def capture_feeds(fn: StepFn, config: object, device: torch.device, max_len: int
         common = dict(extra=extra, rows_per_req=q, pool=pool)
         if step is not None and argmax is not None:
             graphs = ProposalGraphs(fn, step, argmax, device, min(max_reqs, budget // q), max_len, block_size,
-                                    num_speculative_tokens - 1, source=source if q > 1 else None, **common)
+                                    num_speculative_tokens - 1, source=source if q > 1 else None, selects=selects,
+                                    **common)
         else:
             graphs = StepGraphs(fn, device, min(max_reqs, budget // q), max_len, block_size, **common)
         graphs.capture()

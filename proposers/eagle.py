@@ -78,9 +78,12 @@ class EagleProposer(RecordingProposer):
             return head.fc(torch.cat([aux[k] for k in self.aux_order], dim=-1).to(self.dtype))
         return hidden.to(self.dtype)
 
-    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-              ) -> torch.Tensor:
-        return self.head(embeds, states, positions, ctx)
+    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+        # Every row through the head's MLP: a dense MLP over a feed's few rows reads its weights
+        # once either way, and the rows' values stay those of every other path's feed.
+        out = self.head(embeds, states, positions, ctx)
+        return out if rows is None else out.index_select(0, rows)
 
     def _draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                step: int) -> torch.Tensor:

@@ -30,8 +30,10 @@ ROW_BUCKETS = (64, 256, 1024, 4096)
 
 class FeedGraphs:
     def __init__(self, fn: StepFn, device: torch.device, max_seqs: int, max_rows: int, max_len: int,
-                 block_size: int, pool: object = None) -> None:
+                 block_size: int, pool: object = None, selects: bool = False) -> None:
+        # ``selects``: ``fn`` takes ``rows=`` (the pieces' last rows) and returns their outputs alone.
         self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+        self.selects = selects
         self.device, self.block_size, self.max_len = device, block_size, max_len
         self.max_seqs = s = max_seqs
         self.max_blocks = -(-max_len // block_size)
@@ -68,8 +70,11 @@ class FeedGraphs:
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, slot_mapping=self._rows[1, :size],
             block_tables=self.block_tables, max_query_len=size, max_seq_len=self.max_len,
             query_start_loc_cpu=[0] * (s + 1), seq_lens_cpu=[self.max_len] * s)
+        last = self._seqs[2, :min(s, size)]  # a piece holds a row at least: no more pieces than rows
+        if self.selects:
+            return self._fn()(meta, self.token_ids[:size], self._rows[0, :size], rows=last)
         (out,) = self._fn()(meta, self.token_ids[:size], self._rows[0, :size])
-        return (out[self._seqs[2, :s]],)
+        return (out[last],)
 
     def _placeholders(self, size: int) -> None:
         """Pieces of at most ``max_len - 1`` rows over block 0, writing no KV (a capture's warm-up)."""

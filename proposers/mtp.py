@@ -81,11 +81,12 @@ class MTPProposer(RecordingProposer):
         # The caches: one a layer; recorded: the target's final states.
         self._setup(context, cfg.hidden_size, dataclasses.replace(cfg, num_layers=cfg.num_mtp_layers))
 
-    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-              ) -> torch.Tensor:
+    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the target's states (each layer's cache holds every verified position);
-        layer 0's outputs, which give draft 1."""
-        outs = [self.model(embeds, positions, states, ctx, layer) for layer in range(self.num_layers)]
+        layer 0's outputs at ``rows``, which give draft 1. The other rows stop after attention, in
+        every layer: their experts are never read for them."""
+        outs = [self.model(embeds, positions, states, ctx, layer, rows=rows) for layer in range(self.num_layers)]
         return outs[0]
 
     def _draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,

@@ -11,7 +11,9 @@ target computed, the proposer's own output for the positions it drafts. And both
   step's drafts and the next step write before anything reads them); else eagerly, in ragged groups
   (``FeedGraphs``). After steps the policy drafted nothing for (skipped), those steps' positions
   too; for a new request its whole sequence. Step 1's output at the newest verified position gives
-  draft 1.
+  draft 1, and every feed asks for that row's output alone (``rows``): the others are fed for their
+  cache entries, so a model may stop them after attention (MTP's MoE then reads only the experts
+  the kept rows route to).
 * Step ``k + 1`` feeds draft ``k`` at the next position with step ``k``'s output as its state.
 * Where one step function serves every further step (``chains``), plain greedy drafting replays
   graphs: the whole proposal in step 1's graph (``ProposalGraphs``, also launched from the device
@@ -69,9 +71,12 @@ class RecordingProposer(Proposer):
 
     # --- the model: a subclass's -------------------------------------------------------------------
 
-    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-              ) -> torch.Tensor:
-        """Step 1 over rows of the target's ``states``, writing the cache at the rows' slots."""
+    def _feed(self, embeds: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 1 over rows of the target's ``states``, writing the cache at the rows' slots; the
+        outputs at ``rows`` (indices into them; all without). Only a request's newest row gives a
+        draft, so the feeds ask for those alone and the model may stop the others after attention,
+        which is all their cache entries need."""
         raise NotImplementedError
 
     def _draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -109,14 +114,16 @@ class RecordingProposer(Proposer):
         max_len = (c.max_model_len or 2048) + k + 1
         self.feed_graphs = capture_feeds(self._feed_step, c, self.device, max_len, self.block_size, k, [],
                                          step=self._step if whole else None,
-                                         argmax=self._first_argmax if whole else None, source=self.device_step)
+                                         argmax=self._first_argmax if whole else None, source=self.device_step,
+                                         selects=True)
         if whole and k > 1:
             self.chain = ChainGraphs(self._step, self.device, c.max_num_seqs, max_len, self.block_size, k - 1,
                                      ((self.state_width,), self.dtype), pool=last_pool(self.feed_graphs))
             self.chain.capture()
         # Last in the pool: no graph captured after it whose outputs its replays could overwrite.
         self.ragged = FeedGraphs(self._feed_step, self.device, c.max_num_seqs, self.recorded.max_rows, max_len,
-                                 self.block_size, pool=self.chain.pool if self.chain else last_pool(self.feed_graphs))
+                                 self.block_size, pool=self.chain.pool if self.chain else last_pool(self.feed_graphs),
+                                 selects=True)
         self.ragged.capture()
 
     def record(self, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor],
@@ -210,11 +217,15 @@ class RecordingProposer(Proposer):
             positions = [np.arange(s, e) for _, s, e in group]
             tokens = np.concatenate([inputs.token_ids[i][s + 1:e + 1] for i, s, e in group])
             states = self.recorded.read_positions(inputs.block_ids, group, self.block_size)
-            out = self._forward(inputs, [i for i, _, _ in group], positions, tokens, states, None)
             ends = [j for j, (k, _, e) in enumerate(pieces) if e == end[k]]
             rows = np.cumsum([len(p) for p in positions]) - 1
-            last[torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)] = \
-                out[torch.as_tensor(rows[ends], dtype=torch.int64, device=self.device)]
+            # Outputs at the runs' ends only (a group of runs that all go on in a later group: its
+            # last row's, unread).
+            out = self._forward(inputs, [i for i, _, _ in group], positions, tokens, states, None,
+                                rows=torch.as_tensor(rows[ends] if ends else rows[-1:], dtype=torch.int64,
+                                                     device=self.device))
+            if ends:
+                last[torch.as_tensor([pieces[j][0] for j in ends], dtype=torch.int64, device=self.device)] = out
         return last
 
     def _feed_graph(self, inputs: ProposerInputs, feed: StepGraphs
@@ -226,17 +237,19 @@ class RecordingProposer(Proposer):
         first = inputs.positions[inputs.query_start_loc[:-1]]
         ids = torch.from_numpy(feed_token_ids(inputs.token_ids, first, q)).to(self.device)
         accepted = q - inputs.num_rejected
-        if isinstance(feed, ProposalGraphs):
+        if isinstance(feed, ProposalGraphs):  # its outputs are the newest rows' alone
             out, greedy = feed.propose(ids, first, inputs.block_ids[:n], accepted)
-        else:
-            (out,), greedy = feed.run(ids, first, inputs.block_ids[:n]), None
+            return out, greedy, np.arange(n)
+        (out,), greedy = feed.run(ids, first, inputs.block_ids[:n]), None
         return out, greedy, np.arange(n) * q + accepted - 1
 
     def _forward(self, inputs: ProposerInputs | LaunchInputs, reqs: Sequence[int], positions: list[np.ndarray],
-                 tokens: np.ndarray, states: torch.Tensor, step: int | None) -> torch.Tensor:
+                 tokens: np.ndarray, states: torch.Tensor, step: int | None, rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """Step 1 (``step`` None, over target ``states``) or step ``step + 1`` at ``positions[k]`` of
         request ``reqs[k]`` (consecutive, writing its cache there), reading ``tokens`` (one a
-        position, packed) and ``states`` (likewise). The outputs, a row a position."""
+        position, packed) and ``states`` (likewise). The outputs, a row a position (step 1: at
+        ``rows`` alone, if given)."""
         bs, dev = self.block_size, self.device
         slots, seq_lens, qsl = [], [], [0]
         for i, p in zip(reqs, positions):
@@ -252,17 +265,17 @@ class RecordingProposer(Proposer):
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
         embeds = self.embed_tokens(torch.as_tensor(tokens).to(dev)).to(self.dtype)
         pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return self._feed(embeds, states, pos, ctx) if step is None else self._draft(embeds, states, pos, ctx, step)
+        return self._feed(embeds, states, pos, ctx, rows) if step is None else self._draft(embeds, states, pos, ctx, step)
 
     # --- the graphs' step functions ------------------------------------------------------------------------
 
-    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor]:
+    def _feed_step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor]:
         """Step 1 over ``q`` target rows per request, their states read from the record at their
-        slots (the target's forward wrote them)."""
+        slots (the target's forward wrote them); the outputs at ``rows`` (all without)."""
         embeds = self.embed_tokens(token_ids).to(self.dtype)
         ctx = ForwardContext(self.attn_backend, meta, self.kv_caches, self.ops)
-        return (self._feed(embeds, self.recorded.read(meta.slot_mapping), positions, ctx),)
+        return (self._feed(embeds, self.recorded.read(meta.slot_mapping), positions, ctx, rows),)
 
     def _step(self, meta: AttentionMetadata, token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:

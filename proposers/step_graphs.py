@@ -107,11 +107,12 @@ class StepGraphs:
         capture_sizes(self, lambda size: self._fill_padding(0, size), self.forward,
                       f"draft steps of {self.q} tokens per request")
 
-    def forward(self, size: int) -> tuple[torch.Tensor, ...]:
-        """What a graph runs: the step over the first ``size`` requests of the static inputs."""
+    def forward(self, size: int, **kwargs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a graph runs: the step over the first ``size`` requests of the static inputs
+        (``kwargs``: more of the step function's arguments)."""
         rows = size * self.q
         return self._fn()(self._metadata(size), self.token_ids[:rows], self._packed[0, :rows],
-                          *(e[:rows] for e in self.extra))
+                          *(e[:rows] for e in self.extra), **kwargs)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         q = self.q

@@ -120,6 +120,32 @@ def test_mtp_layer_logits_match_the_transformers_reference(reference: ReferenceM
     torch.testing.assert_close(ours, reference.logits(tokens), atol=1e-4, rtol=0)
 
 
+def test_a_feed_runs_the_experts_for_the_rows_it_keeps_alone(reference: ReferenceMTP) -> None:
+    # A proposal feeds a request's verified rows for their cache entries and reads the output of
+    # the newest alone: asked for some rows, the layer writes every row's latent entry as the whole
+    # feed does, gives those rows' outputs as the whole feed gives them, and its experts see only them.
+    tokens = token_prompts()[0] + [int(t) for t in torch.randint(3, 8192, (12,), generator=torch.Generator().manual_seed(1))]
+    hidden = reference.lm.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
+    mtp = build_empty(lambda: DeepSeekMTP(reference.lm.config.to_dict()), torch.device("cpu"), torch.float32)
+    mtp.load_weights(iter_safetensors(safetensors_files(MTP), torch.device("cpu")))
+    n, block = len(tokens) - 1, 4
+    backend = TorchAttentionBackend()
+    meta = AttentionMetadata.build([0, n], [n], range(n), [list(range(-(-n // block)))], torch.device("cpu"))
+    seen: list[int] = []
+    mtp.layers[0].block.mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    embeds = reference.lm.model.embed_tokens(torch.tensor(tokens[1:]))
+    runs = {}
+    for rows in (None, torch.tensor([2, n - 1])):
+        cache = torch.zeros(mtp.config.kv_cache_shape(backend, -(-n // block), block))
+        with torch.inference_mode():
+            runs[rows is None] = mtp(embeds, torch.arange(n), hidden, ForwardContext(backend, meta, [cache]), rows=rows), cache
+    (whole, whole_cache), (kept, kept_cache) = runs[True], runs[False]
+    assert seen == [n, 2]
+    assert kept.shape == (2, whole.shape[1])
+    torch.testing.assert_close(kept, whole[[2, n - 1]], atol=1e-5, rtol=0)
+    assert torch.equal(kept_cache, whole_cache)
+
+
 @pytest.mark.parametrize("method, k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("deepseek_mtp", 1)])  # the alias once
 def test_greedy_is_identical_and_drafts_are_accepted(plain_outputs, k: int, method: str) -> None:
     llm = LLM(MTP, skip_tokenizer_init=True, speculative_config={"method": method, "num_speculative_tokens": k},
