@@ -104,15 +104,28 @@ def plain_outputs() -> list[list[int]]:
                                                           use_tqdm=False)]
 
 
-def test_mtp_layer_logits_match_the_transformers_reference(reference: ReferenceMTP) -> None:
-    tokens = token_prompts()[1] + [int(t) for t in torch.randint(3, 8192, (30,), generator=torch.Generator().manual_seed(0))]
-    hf_hidden = reference.lm.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
+def layer_over(reference: ReferenceMTP, prompt: int, extra: int, seed: int) -> tuple[Any, list[int], torch.Tensor]:
+    """Our MTP layer loaded from specloop-tiny-mtp, a prompt with ``extra`` random tokens after it,
+    and the main model's final hidden states over it (transformers')."""
+    tokens = token_prompts()[prompt] + [int(t) for t in torch.randint(3, 8192, (extra,),
+                                                                         generator=torch.Generator().manual_seed(seed))]
+    hidden = reference.lm.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
     mtp = build_empty(lambda: DeepSeekMTP(reference.lm.config.to_dict()), torch.device("cpu"), torch.float32)
     mtp.load_weights(iter_safetensors(safetensors_files(MTP), torch.device("cpu")))
-    n, block = len(tokens) - 1, 4
+    return mtp, tokens, hidden
+
+
+def one_sequence(mtp: Any, n: int, block: int = 4) -> tuple[TorchAttentionBackend, AttentionMetadata, torch.Tensor]:
+    """Attention over one sequence of ``n`` positions in blocks 0, 1, ...: backend, metadata, an empty cache."""
     backend = TorchAttentionBackend()
-    cache = torch.zeros(mtp.config.kv_cache_shape(backend, -(-n // block), block))
     meta = AttentionMetadata.build([0, n], [n], range(n), [list(range(-(-n // block)))], torch.device("cpu"))
+    return backend, meta, torch.zeros(mtp.config.kv_cache_shape(backend, -(-n // block), block))
+
+
+def test_mtp_layer_logits_match_the_transformers_reference(reference: ReferenceMTP) -> None:
+    mtp, tokens, hf_hidden = layer_over(reference, 1, 30, 0)
+    n = len(tokens) - 1
+    backend, meta, cache = one_sequence(mtp, n)
     with torch.inference_mode():
         out = mtp(reference.lm.model.embed_tokens(torch.tensor(tokens[1:])), torch.arange(n), hf_hidden,
                   ForwardContext(backend, meta, [cache]))
@@ -124,19 +137,14 @@ def test_a_feed_runs_the_experts_for_the_rows_it_keeps_alone(reference: Referenc
     # A proposal feeds a request's verified rows for their cache entries and reads the output of
     # the newest alone: asked for some rows, the layer writes every row's latent entry as the whole
     # feed does, gives those rows' outputs as the whole feed gives them, and its experts see only them.
-    tokens = token_prompts()[0] + [int(t) for t in torch.randint(3, 8192, (12,), generator=torch.Generator().manual_seed(1))]
-    hidden = reference.lm.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0]
-    mtp = build_empty(lambda: DeepSeekMTP(reference.lm.config.to_dict()), torch.device("cpu"), torch.float32)
-    mtp.load_weights(iter_safetensors(safetensors_files(MTP), torch.device("cpu")))
-    n, block = len(tokens) - 1, 4
-    backend = TorchAttentionBackend()
-    meta = AttentionMetadata.build([0, n], [n], range(n), [list(range(-(-n // block)))], torch.device("cpu"))
+    mtp, tokens, hidden = layer_over(reference, 0, 12, 1)
+    n = len(tokens) - 1
     seen: list[int] = []
     mtp.layers[0].block.mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
     embeds = reference.lm.model.embed_tokens(torch.tensor(tokens[1:]))
     runs = {}
     for rows in (None, torch.tensor([2, n - 1])):
-        cache = torch.zeros(mtp.config.kv_cache_shape(backend, -(-n // block), block))
+        backend, meta, cache = one_sequence(mtp, n)
         with torch.inference_mode():
             runs[rows is None] = mtp(embeds, torch.arange(n), hidden, ForwardContext(backend, meta, [cache]), rows=rows), cache
     (whole, whole_cache), (kept, kept_cache) = runs[True], runs[False]
