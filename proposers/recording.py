@@ -11,9 +11,9 @@ target computed, the proposer's own output for the positions it drafts. And both
   step's drafts and the next step write before anything reads them); else eagerly, in ragged groups
   (``FeedGraphs``). After steps the policy drafted nothing for (skipped), those steps' positions
   too; for a new request its whole sequence. Step 1's output at the newest verified position gives
-  draft 1, and every feed asks for that row's output alone (``rows``): the others are fed for their
-  cache entries, so a model may stop them after attention (MTP's MoE then reads only the experts
-  the kept rows route to).
+  draft 1, and the feeds that lead to a proposal (the whole-proposal graphs, the catch-ups) ask for
+  that row's output alone (``rows``): the others are fed for their cache entries, so a model may
+  stop them after attention (MTP's MoE then reads only the experts the kept rows route to).
 * Step ``k + 1`` feeds draft ``k`` at the next position with step ``k``'s output as its state.
 * Where one step function serves every further step (``chains``), plain greedy drafting replays
   graphs: the whole proposal in step 1's graph (``ProposalGraphs``, also launched from the device
