@@ -40,6 +40,8 @@ GPU_FLAGS = (
     ("moe_down_groups", int, "programs over a token's experts in the one-token MoE's down projection; 8 where it "
      "runs by default"),
     ("fused_latent", bool, "one-token latent attention in three kernels; on by default"),
+    ("moe_shared_stream", bool, "a one-token MoE's shared experts beside its routing, on a second stream; on by "
+     "default"),
 )
 
 

@@ -16,10 +16,14 @@ Every product accumulates in float32 and is rounded where :func:`fused_moe` roun
 the activation, each pick's weighted output; the sum once), and the picks are added in the same
 order every run (no atomics). The shared experts are picks like the others (``models.moe``). The
 RMSNorm before the layer can run inside the gate/up kernel (``norm``: every program recomputes
-its token's statistics, reading the row from L2), rounded as the norm kernel rounds it.
+its token's statistics, reading the row from L2), rounded as the norm kernel rounds it, and so can
+the residual add before it. :func:`shared_beside_routing` runs the shared experts' gate/up, which
+needs no routing, on a second stream while the router and the routing run.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -33,12 +37,28 @@ MAX_TOKENS = 4
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def _token_row(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
+    """The token's inputs ``offs``, in float32: ``x``, or ``x + r`` rounded to their dtype (the
+    residual sum as ``ops.add_rms_norm`` rounds it)."""
+    v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        v = (v.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, r_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, first_pair, first_expert, I, H, eps,
+                    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                    HAS_RES: tl.constexpr, IDS: tl.constexpr, PDL: tl.constexpr):
     wait_previous(PDL)
-    pair = tl.program_id(0)
+    # Program i runs pair first_pair + i, whose expert is ids[i] (IDS), else first_expert + i (the
+    # shared experts, known before the routing).
+    pair = first_pair + tl.program_id(0)
     token = pair // TOP_K
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if IDS:
+        expert = tl.load(ids_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        expert = (first_expert + tl.program_id(0)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
@@ -47,7 +67,7 @@ def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl
     if NORM:  # RMSNorm of the token's row: every program reads it whole (from L2)
         ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            v = tl.load(x_ptr + token * H + k0 + ks, mask=(k0 + ks) < H, other=0.0).to(tl.float32)
+            v = _token_row(x_ptr, r_ptr, token * H + k0 + ks, (k0 + ks) < H, HAS_RES)
             ss += v * v
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / H + eps)
     gate_rows = w13_ptr + expert * 2 * I * H + cols[:, None].to(tl.int64) * H
@@ -56,7 +76,7 @@ def _gate_up_kernel(x_ptr, nw_ptr, w13_ptr, ids_ptr, h_ptr, I, H, eps, TOP_K: tl
     up = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = (k0 + ks) < H
-        x = tl.load(x_ptr + token * H + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = _token_row(x_ptr, r_ptr, token * H + k0 + ks, k_ok, HAS_RES)
         if NORM:  # rounded as the unfused norm rounds
             normed = (x * rstd).to(dtype).to(tl.float32)
             x = (normed * tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
@@ -130,6 +150,18 @@ GATE_UP_TILE = (4, 128, 2, 3)
 DOWN_TILE = (4, 512, 4, 2)
 SUM_BLOCK = 512
 _down_groups = 1
+_shared_stream = True  # the GPU runner's moe_shared_stream option
+
+
+def set_shared_stream(on: bool) -> None:
+    """Whether the few-rows op set runs a one-token MoE's shared experts beside its routing
+    (:func:`shared_beside_routing`; the GPU runner's ``moe_shared_stream`` option)."""
+    global _shared_stream
+    _shared_stream = bool(on)
+
+
+def shared_stream() -> bool:
+    return _shared_stream
 
 
 def set_down_groups(groups: int) -> None:
@@ -137,6 +169,54 @@ def set_down_groups(groups: int) -> None:
     (the GPU runner's ``moe_down_groups`` option)."""
     global _down_groups
     _down_groups = int(groups)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"the few-tokens MoE takes at most {MAX_TOKENS} tokens, got {tokens}")
+    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree")
+    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("x needs a unit last stride, the expert weights must be contiguous")
+    if top_k > num_experts:
+        raise ValueError(f"{top_k} picks a token of {num_experts} experts")
+
+
+def _gate_up(x: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, top_k: int, pairs: int, first_pair: int,
+             ids: torch.Tensor | None, first_expert: int, norm: tuple[torch.Tensor, float] | None,
+             residual: torch.Tensor | None, tile: tuple[int, int, int, int]) -> None:
+    """The gate/up kernel over ``pairs`` pairs from ``first_pair`` (of ``top_k`` a token), their
+    experts ``ids`` (int32, one a pair) or ``first_expert`` on, into ``h``."""
+    inter = w13.shape[1] // 2
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
+    block_n, block_k, warps, stages = tile
+    _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
+        x, residual if residual is not None else x, norm_weight, w13, ids if ids is not None else x, h, first_pair,
+        first_expert, inter, x.shape[1], eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm is not None,
+        HAS_RES=residual is not None, IDS=ids is not None, num_warps=warps, num_stages=stages,
+        **pdl.launch_options(x.device))
+
+
+def _down(h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+          down_tile: tuple[int, ...]) -> torch.Tensor:
+    """The down kernel (and the sums of its groups) over every pick of every token, into ``out``."""
+    tokens, hidden = out.shape
+    top_k, inter = ids.shape[1], w2.shape[2]
+    block_n, block_k, warps, stages, *rest = down_tile
+    picks = triton.cdiv(top_k, rest[0] if rest else _down_groups)
+    groups = triton.cdiv(top_k, picks)
+    part = out if groups == 1 else torch.empty(tokens, groups, hidden, dtype=torch.float32, device=out.device)
+    by_last = groups > 1 and last_sums.enabled() and tokens * triton.cdiv(hidden, block_n) <= last_sums.MAX_COUNTS
+    _down_kernel[(tokens, triton.cdiv(hidden, block_n), groups)](
+        h, w2, ids, weights, part, out, last_sums.counts(out.device) if by_last else part, inter, hidden, TOP_K=top_k,
+        PICKS=picks, GROUPS=groups, BLOCK_N=block_n, BLOCK_K=block_k, LAST_SUMS=by_last, num_warps=warps,
+        num_stages=stages, **pdl.launch_options(out.device))
+    if groups > 1 and not by_last:
+        _sum_groups_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+            part, out, hidden, GROUPS=groups, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch_options(out.device))
+    return out
 
 
 def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -152,39 +232,69 @@ def skinny_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     programs a block of hidden units, whose float32 partial sums a third kernel adds in order (one
     pick a group: the same bits as one group).
     Returns ``[T, H]`` in ``x``'s dtype."""
-    tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    if tokens > MAX_TOKENS:
-        raise ValueError(f"the few-tokens MoE takes at most {MAX_TOKENS} tokens, got {tokens}")
-    if w13.shape[2] != hidden or w2.shape != (num_experts, hidden, inter) or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and routing "
-                         f"{tuple(topk_ids.shape)} disagree")
-    if x.stride(-1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
-        raise ValueError("x needs a unit last stride, the expert weights must be contiguous")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"routing weights {tuple(topk_weights.shape)} and ids {tuple(topk_ids.shape)} disagree")
+    _check(x, w13, w2, topk_ids.shape[1])
+    tokens, top_k = x.shape[0], topk_ids.shape[1]
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    x = x.contiguous()
-    top_k = topk_ids.shape[1]
-    ids = topk_ids.contiguous()
-    weights = topk_weights.float().contiguous()
-    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    norm_weight, eps = norm if norm is not None else (x, 0.0)
-    block_n, block_k, warps, stages = gate_up_tile
-    _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, block_n))](
-        x, norm_weight, w13, ids, h, inter, hidden, eps, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl.launch_options(x.device))
-    block_n, block_k, warps, stages, *rest = down_tile
-    picks = triton.cdiv(top_k, rest[0] if rest else _down_groups)
-    groups = triton.cdiv(top_k, picks)
-    part = out if groups == 1 else torch.empty(tokens, groups, hidden, dtype=torch.float32, device=x.device)
-    by_last = groups > 1 and last_sums.enabled() and tokens * triton.cdiv(hidden, block_n) <= last_sums.MAX_COUNTS
-    _down_kernel[(tokens, triton.cdiv(hidden, block_n), groups)](
-        h, w2, ids, weights, part, out, last_sums.counts(x.device) if by_last else part, inter, hidden, TOP_K=top_k,
-        PICKS=picks, GROUPS=groups, BLOCK_N=block_n, BLOCK_K=block_k, LAST_SUMS=by_last, num_warps=warps,
-        num_stages=stages, **pdl.launch_options(x.device))
-    if groups > 1 and not by_last:
-        _sum_groups_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-            part, out, hidden, GROUPS=groups, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch_options(x.device))
-    return out
+    x, ids = x.contiguous(), topk_ids.contiguous()
+    h = torch.empty(tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _gate_up(x, w13, h, top_k, tokens * top_k, 0, ids, 0, norm, None, gate_up_tile)
+    return _down(h, w2, ids, topk_weights.float().contiguous(), out, down_tile)
+
+
+def shared_beside_routing(x: torch.Tensor, residual: torch.Tensor, norm: tuple[torch.Tensor, float],
+                          w13: torch.Tensor, w2: torch.Tensor, top_k: int, num_shared: int,
+                          route: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                          gate_up_tile: tuple[int, int, int, int] = GATE_UP_TILE,
+                          down_tile: tuple[int, ...] = DOWN_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer of one token with the norm before it, :func:`skinny_moe` with its shared
+    experts' gate/up kernel beside the routing. ``route()`` runs the router and the routing on the
+    current stream and returns (weights, ids, the residual sum ``x + residual``): ``[1, top_k +
+    num_shared]``, the ``top_k`` routed picks followed by the shared experts (``w13``'s last
+    ``num_shared``), as :func:`skinny_moe` takes them. Meanwhile a second stream (on CUDA) runs the
+    shared experts' gate/up kernel, which adds the residual and norms the row itself, so it waits
+    for nothing the routing computes: at one token the router's product and the routing are two
+    short kernels that leave most of the chip idle, and the shared experts' weights (two of
+    V2-Lite's eight picks) stream meanwhile. The same bits as the router, then :func:`skinny_moe`
+    with ``norm`` over the sum. Returns (the layer's output, the residual sum)."""
+    picks = top_k + num_shared
+    _check(x, w13, w2, picks)
+    if x.shape[0] != 1 or residual.shape != x.shape or num_shared < 1 or top_k < 1:
+        raise ValueError(f"one token, its residual, a routed and a shared expert; got x {tuple(x.shape)}, residual "
+                         f"{tuple(residual.shape)}, top_k {top_k}, {num_shared} shared")
+    x, residual = x.contiguous(), residual.contiguous()
+    h = torch.empty(picks, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    shared = (x, w13, h, picks, num_shared, top_k, None, w13.shape[0] - num_shared, norm, residual, gate_up_tile)
+    side = _side_stream(x.device)
+    if side is not None:
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            _gate_up(*shared)
+    else:
+        _gate_up(*shared)
+    weights, ids, summed = route()
+    if ids.shape != (1, picks) or weights.shape != ids.shape or summed.shape != x.shape:
+        raise ValueError(f"route() gave weights {tuple(weights.shape)}, ids {tuple(ids.shape)} and a sum "
+                         f"{tuple(summed.shape)} for one token of {picks} picks")
+    ids = ids.contiguous()
+    _gate_up(summed.contiguous(), w13, h, picks, top_k, 0, ids, 0, norm, None, gate_up_tile)
+    if side is not None:
+        main.wait_stream(side)
+    return _down(h, w2, ids, weights.float().contiguous(), torch.empty_like(x), down_tile), summed
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The second stream of ``device`` (None off CUDA), created once: the first call is an eager
+    warm-up before any CUDA graph captures this layer."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]

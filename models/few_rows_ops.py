@@ -43,15 +43,23 @@ class FewRowsOps(TritonOps):
         if (residual is None or not 0 < x.shape[0] <= MOE_ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
                 or w13.dtype != x.dtype):
             return _composed_norm_moe(self, x, residual, norm, moe)
+        from specloop.kernels import skinny_moe
         from specloop.kernels.gemv import skinny_norm_linear
-        from specloop.kernels.skinny_moe import skinny_moe
 
         # The norm runs inside the router's product (float32 weights and logits, which also writes
         # the residual sum) and again inside the experts' gate/up kernel, from that sum.
-        logits, residual = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
-                                              out_dtype=torch.float32)
-        weights, ids = self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config)
-        return skinny_moe(residual, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), residual
+        def route() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            logits, summed = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
+                                                out_dtype=torch.float32)
+            return (*self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config), summed)
+
+        cfg = moe.config
+        if cfg.num_shared_experts and x.shape[0] == 1 and skinny_moe.shared_stream():
+            # the shared experts' gate/up beside the router and the routing (which it does not need)
+            return skinny_moe.shared_beside_routing(x, residual, (norm.weight, norm.eps), w13, moe.experts.w2,
+                                                    cfg.top_k, cfg.num_shared_experts, route)
+        weights, ids, summed = route()
+        return skinny_moe.skinny_moe(summed, w13, moe.experts.w2, weights, ids, norm=(norm.weight, norm.eps)), summed
 
     def mla_attention(self, attn: LatentAttentionShape, q: torch.Tensor, latent: torch.Tensor,
                       positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

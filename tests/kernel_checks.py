@@ -760,6 +760,11 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),
                                       torch.randint(0, 66, (1, 8), dtype=torch.int32), norm=norm,
                                       down_tile=(*skinny_moe.DOWN_TILE, groups))
+            # the shared experts' gate/up beside the routing: the residual added in the kernel
+            skinny_moe.shared_beside_routing(h, h.clone(), (h[0], 1e-6), torch.empty(66, 2816, 2048, dtype=dtype),
+                                             torch.empty(66, 2048, 1408, dtype=dtype), 6, 2,
+                                             lambda: (torch.rand(1, 8), torch.randint(0, 66, (1, 8), dtype=torch.int32),
+                                                      h.clone()))
             last_sums.set_enabled(True)  # the groups' sums added by each block's last group
             try:
                 skinny_moe.skinny_moe(h, torch.empty(66, 2816, 2048, dtype=dtype), torch.empty(66, 2048, 1408, dtype=dtype),

@@ -263,6 +263,23 @@ def check_skinny_moe(device: str, dtype: torch.dtype) -> None:
             got, got_r = norm_moe(FEW_ROWS_OPS, h, r.clone(), norm, layer)
             want, want_r = norm_moe(TRITON_OPS, h, r.clone(), norm, layer)
             assert torch.equal(got_r, want_r) and rel_err(got, want) < TOL[dtype], (t, dtype)
+        # At one token in half precision the shared experts' gate/up runs beside the router and the
+        # routing (on a second stream on CUDA; its kernel adds the residual and norms the row
+        # itself): the same bits as the router, then the experts, one after the other.
+        import specloop.kernels.skinny_moe as kernels_moe
+
+        calls, beside = [], kernels_moe.shared_beside_routing
+        kernels_moe.shared_beside_routing = lambda *a, **k: calls.append(1) or beside(*a, **k)
+        try:
+            h, r = torch.randn(1, 64, dtype=dtype, device=device), torch.randn(1, 64, dtype=dtype, device=device)
+            got, got_r = norm_moe(FEW_ROWS_OPS, h, r.clone(), norm, layer)
+            kernels_moe.set_shared_stream(False)
+            want, want_r = norm_moe(FEW_ROWS_OPS, h, r.clone(), norm, layer)
+        finally:
+            kernels_moe.set_shared_stream(True)
+            kernels_moe.shared_beside_routing = beside
+        assert len(calls) == (dtype != torch.float32), calls
+        assert torch.equal(got, want) and torch.equal(got_r, want_r), f"the shared experts beside the routing ({dtype})"
     try:
         skinny_moe(torch.randn(5, 32, dtype=dtype, device=device), w13.to(device), w2.to(device),
                    torch.rand(5, 2, device=device), torch.zeros(5, 2, dtype=torch.int32, device=device))

@@ -123,6 +123,7 @@ def check_few_rows_decode(device: str, variant: str) -> None:
     model = tiny(variant)
     calls = {"linear": 0, "moe": 0, "rope_uk": 0, "merged_uv": 0}
     launch, moe, rope_uk, uv = gemv._launch, skinny_moe.skinny_moe, latent_heads.rope_cache_uk, latent_heads.head_gemv
+    beside = skinny_moe.shared_beside_routing  # a one-token MoE with shared experts (moe_shared_stream)
 
     def counted(name: str, fn: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -136,6 +137,7 @@ def check_few_rows_decode(device: str, variant: str) -> None:
 
     outs = {}
     gemv._launch, skinny_moe.skinny_moe = counted("linear", launch), counted("moe", moe)
+    skinny_moe.shared_beside_routing = counted("moe", beside)
     latent_heads.rope_cache_uk, latent_heads.head_gemv = counted("rope_uk", rope_uk), merged_uv
     try:
         # without the few-rows kernels; with them, latent attention's products fused, then not
@@ -156,7 +158,7 @@ def check_few_rows_decode(device: str, variant: str) -> None:
             if "deepseek" in variant and len(options) == 1 and options["skinny_gemv"]:
                 assert calls["rope_uk"] >= 8 and calls["merged_uv"] >= 1, calls
     finally:
-        gemv._launch, skinny_moe.skinny_moe = launch, moe
+        gemv._launch, skinny_moe.skinny_moe, skinny_moe.shared_beside_routing = launch, moe, beside
         latent_heads.rope_cache_uk, latent_heads.head_gemv = rope_uk, uv
     assert calls["linear"] >= 8 * 4 and (calls["moe"] >= 8 or "deepseek" not in variant), calls
     assert len(set(map(tuple, outs.values()))) == 1, (variant, outs)

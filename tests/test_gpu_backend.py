@@ -236,9 +236,32 @@ def test_programmatic_dependent_launch_changes_no_bit(variant: str, monkeypatch:
     written yet) is the only way the outputs could differ. bf16, CUDA graphs, one request alone
     (the few-rows kernels) and eight together; token ids and logprobs bit for bit. The decode
     attention tile is fixed (timed at start-up, two engines could pick two tiles)."""
+    from specloop.kernels import pdl
+
+    results = _on_and_off(variant, "pdl", monkeypatch)
+    assert pdl.enabled(torch.device("cuda")) == pdl.supported(torch.device("cuda"))  # the last engine's: on
+    assert results[True] == results[False]
+
+
+def test_shared_experts_beside_the_routing_change_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``moe_shared_stream`` option runs a one-token MoE's shared experts on a second stream
+    while the router and the routing run (``kernels.skinny_moe.shared_beside_routing``), inside
+    the decode graphs; the sums are the same, so only a missing wait between the streams could
+    change an output. As the PDL test: bf16, one request alone and eight together, bit for bit."""
+    from specloop.kernels import skinny_moe
+
+    calls, beside = [], skinny_moe.shared_beside_routing
+    monkeypatch.setattr(skinny_moe, "shared_beside_routing", lambda *a, **k: calls.append(1) or beside(*a, **k))
+    results = _on_and_off("deepseek_v3", "moe_shared_stream", monkeypatch)
+    assert calls, "no step ran the shared experts beside the routing"
+    assert results[True] == results[False]
+
+
+def _on_and_off(variant: str, option: str, monkeypatch: pytest.MonkeyPatch) -> dict[bool, list]:
+    """Greedy outputs with logprobs of one request alone, then eight together, with the GPU
+    option ``option`` off and then on (the decode attention tile fixed)."""
     from specloop import LLM, SamplingParams
     from specloop.backends.gpu.triton_attention import TritonAttentionBackend
-    from specloop.kernels import pdl
 
     def first_tile(backend: TritonAttentionBackend, *args: object) -> None:
         backend.decode_config = backend.DECODE_CONFIGS[0]
@@ -249,10 +272,9 @@ def test_programmatic_dependent_launch_changes_no_bit(variant: str, monkeypatch:
     batch = prompts(8, seed=21, min_len=5, max_len=200)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     results = {}
-    for on in (True, False):
+    for on in (False, True):
         llm = LLM(model.path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512,
-                  plugin_options={"gpu": {"pdl": on}})
-        assert pdl.enabled(torch.device("cuda")) == (on and pdl.supported(torch.device("cuda")))
+                  plugin_options={"gpu": {option: on}})
         alone = llm.generate([batch[0]], params, use_tqdm=False)
         together = llm.generate(batch, params, use_tqdm=False)
         results[on] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.outputs[0].logprobs)
@@ -261,4 +283,4 @@ def test_programmatic_dependent_launch_changes_no_bit(variant: str, monkeypatch:
         llm.core.shutdown()
         del llm
         torch.cuda.empty_cache()
-    assert results[True] == results[False]
+    return results

@@ -321,6 +321,18 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
         with pytest.raises(ValueError, match="moe_down_groups.*which this engine does not run"):
             runner_checks.make_runner(tiny(variant).path, "gpu", "cpu", "float32",
                                       plugin_options={"gpu": {"moe_down_groups": 4, **options}})
+    # moe_shared_stream: a one-token MoE's shared experts beside its routing; on by default, set on
+    # the kernels' module as the parts are built, refused without the few-rows kernels.
+    assert GpuPlatform(EngineConfig(device="cuda")).moe_shared_stream is True
+    with pytest.raises(ValueError, match="moe_shared_stream.*skinny_gemv is off"):
+        GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {"moe_shared_stream": True}}))
+    try:
+        runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
+                                           plugin_options={"gpu": {"moe_shared_stream": False, "skinny_gemv": True}})
+        runner.shutdown()
+        assert skinny_moe.shared_stream() is False
+    finally:
+        skinny_moe.set_shared_stream(True)
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})

@@ -44,7 +44,10 @@ token's experts over that many programs a block of hidden units, ``kernels.skinn
 1, refused where that kernel does not run) and ``fused_latent`` (default on with ``skinny_gemv``:
 latent attention at one token in three kernels, its rotary and cache write beside ``W_UK``'s
 product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; on an H100
-DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``).
+DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``) and
+``moe_shared_stream`` (default on with ``skinny_gemv``: a one-token MoE's shared experts start on a
+second stream beside the router and the routing, ``kernels.skinny_moe.shared_beside_routing``;
+refused without ``skinny_gemv``).
 Any other key is refused.
 """
 
@@ -91,7 +94,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "fused_latent")
+               "long_context_graphs", "moe_down_groups", "fused_latent", "moe_shared_stream")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -136,6 +139,10 @@ class GpuPlatform:
             raise ValueError("plugin_options['gpu']['fused_latent'] fuses kernels of the few-rows op set, which "
                              "skinny_gemv is off for")
         self.fused_latent = bool(opts.get("fused_latent", True))
+        if opts.get("moe_shared_stream") and not self.skinny_gemv:
+            raise ValueError("plugin_options['gpu']['moe_shared_stream'] sets how the few-rows op set runs a "
+                             "one-token MoE, which skinny_gemv is off for")
+        self.moe_shared_stream = bool(opts.get("moe_shared_stream", True))
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -154,6 +161,7 @@ class GpuPlatform:
         last_sums.set_enabled(self.last_sums, runner.device if runner.device.type == "cuda" else None)
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
         latent_heads.set_fused(self.fused_latent)
+        skinny_moe.set_shared_stream(self.moe_shared_stream)
         skinny_moe.set_down_groups(self.moe_down_groups or (MOE_DOWN_GROUPS if one_token_moe else 1))
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
