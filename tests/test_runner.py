@@ -458,8 +458,9 @@ def test_long_context_decode_graphs_split_more_and_replay_over_long_contexts() -
 
 
 def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gpu runner's ``pdl`` option: explicit True/False, or (default) on for a model whose every
-    projection fits the bytes a kernel may prefetch, on a device that has it; never on a CPU."""
+    """The gpu runner's ``pdl`` option: explicit True/False, or (default) on for a model whose
+    projections past the bytes a kernel may prefetch hold at most a quarter of the projections'
+    bytes, on a device that has it; never on a CPU."""
     from torch import nn
 
     from specloop.backends.gpu.platform import GpuPlatform, pdl_pays
@@ -484,7 +485,13 @@ def test_programmatic_dependent_launch_is_chosen_where_it_pays(monkeypatch: pyte
     lm.layers, lm.lm_head = nn.ModuleList([model]), ReplicatedLinear(8, 1024, bias=False)
     monkeypatch.setattr(pdl, "prefetch_budget", lambda device: 16 * 8 * 4)
     assert pdl_pays(lm, cpu) is True
-    lm.layers.append(ReplicatedLinear(8, 17, bias=False))
+    lm.layers.append(ReplicatedLinear(8, 17, bias=False))  # 544 bytes, past the budget: 52% of them
+    assert pdl_pays(lm, cpu) is False
+    # A few projections past the budget (DeepSeek's dense first layer): on while they hold at most a
+    # quarter of the bytes.
+    lm.layers.extend(ReplicatedLinear(8, 16, bias=False) for _ in range(3))  # 3 x 512 within: 544 of 2,592 past
+    assert pdl_pays(lm, cpu) is True
+    lm.layers.append(ReplicatedLinear(8, 17, bias=False))  # 1,088 of 3,136
     assert pdl_pays(lm, cpu) is False
     pdl.set_enabled(True)
     try:

@@ -213,23 +213,34 @@ class GpuPlatform:
 
 def pdl_pays(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether programmatic dependent launch speeds ``model``'s decode up: where the device has it
-    and each projection of its decoder layers (``model.layers``; the LM head, after them, does not
-    count, whatever class holds it) fits the weights a kernel may prefetch (``kernels.pdl``). A
-    larger projection streams long enough that launch gaps matter little, and kernels started early
-    take SM slots from it: llama3-8b's batch-1 decode ran 6.5% slower with it on the H200."""
+    and the projections of its decoder layers (``model.layers``; the LM head, after them, does not
+    count, whatever class holds it) that do not fit the weights a kernel may prefetch
+    (``kernels.pdl``) hold at most a quarter of their bytes. A larger projection streams long enough
+    that launch gaps matter little, and kernels started early take SM slots from it: llama3-8b's
+    batch-1 decode, every projection past the budget, ran 6.5% slower with it on the H200. In
+    DeepSeek-V2-Lite only the first layer's dense MLP is past it (18% of the bytes), and on an H100
+    its batch-1 decode ran 2.6% faster with it (with its shared experts beside the routing)."""
     if not pdl.supported(device):
         return False
-    largest = max((m.weight.numel() * m.weight.element_size() for m in getattr(model, "layers", model).modules()
-                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))), default=0)
-    return largest <= pdl.prefetch_budget(device)
+    sizes = _projection_bytes(model)
+    budget = pdl.prefetch_budget(device)
+    return 4 * sum(size for size in sizes if size > budget) <= sum(sizes)
+
+
+def _projection_bytes(model: torch.nn.Module) -> list[int]:
+    """The weight bytes of each projection of ``model``'s decoder layers (``model.layers``)."""
+    return [m.weight.numel() * m.weight.element_size() for m in getattr(model, "layers", model).modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))]
 
 
 def default_skinny_rows(model: torch.nn.Module, device: torch.device) -> int:
     """The most rows a step the few-rows kernels take by default: two for a model whose step is
-    launch and latency bound (its projections small enough for :func:`pdl_pays`), one otherwise.
+    launch and latency bound (programmatic dependent launch on the device, every projection of
+    its decoder layers within a kernel's prefetch), one otherwise.
     On the H200 qwen3-0.6b decoded batch 2 at 1,754-1,757 tok/s with the kernels against 1,401-1,464
     with cuBLAS; llama3-8b at 292 against 415."""
-    return SMALL_ROUTED_ROWS if pdl_pays(model, device) else ROUTED_ROWS
+    small = pdl.supported(device) and max(_projection_bytes(model), default=0) <= pdl.prefetch_budget(device)
+    return SMALL_ROUTED_ROWS if small else ROUTED_ROWS
 
 
 def use_few_rows_linear(model: object) -> int:
