@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import pdl
 from .latent_heads import SplitParts
-from .paged_attention import _UNSPECIALIZED, _find_seq
+from .paged_attention import _UNSPECIALIZED, query_block
 from .pdl import wait_previous
 from .splits import _reduce_splits_kernel, _unused_parts, prefill_splits
 
@@ -47,15 +47,7 @@ def _mla_attention_kernel(
     pid_q = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    if DECODE:  # one new token per sequence: program = sequence
-        seq = pid_q
-        q_block = 0
-    else:
-        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if not DECODE:
-        q_block = pid_q - (q_start // BLOCK_Q + seq)
+    seq, q_block, q_start, q_len = query_block(qsl_ptr, num_seqs, pid_q, BLOCK_Q, DECODE)
     if q_block * BLOCK_Q >= q_len:
         return
     context_len = tl.load(seq_lens_ptr + seq) - q_len

@@ -50,6 +50,24 @@ def _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo
 
 
+@triton.jit
+def query_block(qsl_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr, DECODE: tl.constexpr):
+    """What q-block program ``pid_q`` owns: (sequence, q-block within it, the sequence's first new
+    token, its new tokens). In a decode step (``DECODE``: one new token a sequence) program ``s`` is
+    sequence ``s``, with no search; a q-block past the sequence's new tokens has nothing to do."""
+    if DECODE:
+        seq = pid_q
+    else:
+        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if DECODE:
+        q_block = 0
+    else:
+        q_block = pid_q - (q_start // BLOCK_Q + seq)
+    return seq, q_block, q_start, q_len
+
+
 # Triton compiles a variant per divisibility of an integer argument and per 16-byte alignment of
 # a pointer. Eager callers (a proposer catching up, a mixed prefill step) pass batch sizes,
 # block-table widths and metadata slices that vary from step to step, so those are not
@@ -85,17 +103,8 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    if DECODE:
-        # One new token per sequence: one program per sequence, no search (BLOCK_M pads the group
-        # up to a dot tile).
-        seq = pid_q
-        q_block = 0
-    else:
-        seq = _find_seq(qsl_ptr, num_seqs, pid_q, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if not DECODE:
-        q_block = pid_q - (q_start // BLOCK_Q + seq)
+    # (in a decode step BLOCK_M pads the group of q heads up to a dot tile)
+    seq, q_block, q_start, q_len = query_block(qsl_ptr, num_seqs, pid_q, BLOCK_Q, DECODE)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
