@@ -276,14 +276,16 @@ def shared_beside_routing(x: torch.Tensor, residual: torch.Tensor, norm: tuple[t
             _gate_up(*shared)
     else:
         _gate_up(*shared)
-    weights, ids, summed = route()
-    if ids.shape != (1, picks) or weights.shape != ids.shape or summed.shape != x.shape:
-        raise ValueError(f"route() gave weights {tuple(weights.shape)}, ids {tuple(ids.shape)} and a sum "
-                         f"{tuple(summed.shape)} for one token of {picks} picks")
-    ids = ids.contiguous()
-    _gate_up(summed.contiguous(), w13, h, picks, top_k, 0, ids, 0, norm, None, gate_up_tile)
-    if side is not None:
-        main.wait_stream(side)
+    try:
+        weights, ids, summed = route()
+        if ids.shape != (1, picks) or weights.shape != ids.shape or summed.shape != x.shape:
+            raise ValueError(f"route() gave weights {tuple(weights.shape)}, ids {tuple(ids.shape)} and a sum "
+                             f"{tuple(summed.shape)} for one token of {picks} picks")
+        ids = ids.contiguous()
+        _gate_up(summed.contiguous(), w13, h, picks, top_k, 0, ids, 0, norm, None, gate_up_tile)
+    finally:  # joined whatever happens: a graph capture must not end with the second stream forked
+        if side is not None:
+            main.wait_stream(side)
     return _down(h, w2, ids, weights.float().contiguous(), torch.empty_like(x), down_tile), summed
 
 
