@@ -333,6 +333,9 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
         assert skinny_moe.shared_stream() is False
     finally:
         skinny_moe.set_shared_stream(True)
+    with pytest.raises(ValueError, match="moe_shared_stream.*which this engine does not have"):  # no experts
+        runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
+                                  plugin_options={"gpu": {"moe_shared_stream": True, "skinny_gemv": True}})
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})

@@ -47,7 +47,7 @@ product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; on an H
 DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``) and
 ``moe_shared_stream`` (default on with ``skinny_gemv``: a one-token MoE's shared experts start on a
 second stream beside the router and the routing, ``kernels.skinny_moe.shared_beside_routing``;
-refused without ``skinny_gemv``).
+``True`` refused where no such MoE runs, any value without ``skinny_gemv``).
 Any other key is refused.
 """
 
@@ -143,6 +143,7 @@ class GpuPlatform:
             raise ValueError("plugin_options['gpu']['moe_shared_stream'] sets how the few-rows op set runs a "
                              "one-token MoE, which skinny_gemv is off for")
         self.moe_shared_stream = bool(opts.get("moe_shared_stream", True))
+        self.shared_stream_given = opts.get("moe_shared_stream") is True
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -151,6 +152,11 @@ class GpuPlatform:
 
     def parts(self, runner: ModelRunner) -> RunnerParts:
         one_token_moe = runner.model_config.moe is not None and self.fused and self.skinny_gemv
+        moe = runner.model_config.moe
+        if self.shared_stream_given and not (one_token_moe and moe.num_shared_experts):
+            raise ValueError("plugin_options['gpu']['moe_shared_stream'] runs a one-token MoE's shared experts beside "
+                             "its routing, which this engine does not have (a model without shared experts, or fused "
+                             "or skinny_gemv off)")
         if self.moe_down_groups not in (None, 1) and not one_token_moe:
             raise ValueError("plugin_options['gpu']['moe_down_groups'] sets the one-token MoE kernel's programs, "
                              "which this engine does not run (a model without experts, or fused or skinny_gemv off)")
