@@ -42,6 +42,7 @@ GPU_FLAGS = (
     ("fused_latent", bool, "one-token latent attention in three kernels; on by default"),
     ("moe_shared_stream", bool, "a one-token MoE's shared experts beside its routing, on a second stream; on by "
      "default"),
+    ("fused_routing", bool, "a one-token MoE's router and routing in one kernel; on by default"),
 )
 
 

@@ -7,6 +7,12 @@ Written as DeepSeek's routers are: picks use ``score + bias`` (V3's correction b
 sum of their two best choices (``group_by_top2``, V3) or by their best one (V2), the others masked
 to -inf (V3) or 0 (V2); weights are renormalised over the picks (``renormalize``, plus 1e-20) and
 scaled. Picks are made by repeated argmax (lowest index on ties), in descending order.
+
+At one token (a decode step at batch 1, an MTP draft) :func:`router_route` runs the router too,
+in the same launch: the norm before the layer (with the residual add), the router's float32
+product a few experts a program, and the routing by the last program to finish
+(``kernels.last_sums``' count), which reads every logit back; one kernel where there were two,
+the same bits.
 """
 
 from __future__ import annotations
@@ -15,23 +21,33 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import last_sums, pdl
+from .gemv import _input_chunk, choose_block_n, _num_sms
+from .last_sums import arrive
 from .pdl import wait_previous
+from .rows_dot import program_slice
+
+_FUSED = True  # the GPU runner's fused_routing option
+
+
+def set_fused(on: bool) -> None:
+    """Whether ``models.few_rows_ops`` routes a one-token MoE in the router's kernel
+    (:func:`router_route`; else the router's product and :func:`moe_route`, two kernels)."""
+    global _FUSED
+    _FUSED = bool(on)
+
+
+def fused() -> bool:
+    return _FUSED
 
 
 @triton.jit
-def _moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_o, scale,
-    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
-    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, EXPERTS_PAD)
-    ok = e < NUM_EXPERTS
-    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+def _route(x, e, ok, bias_ptr, weights_ptr, ids_ptr, scale,
+           NUM_EXPERTS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+           TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
+           SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's picks from its logits ``x`` (float32 over ``e``, -inf where not ``ok``), stored
+    at ``weights_ptr`` / ``ids_ptr``."""
     if SOFTMAX:
         p = tl.exp(x - tl.max(x, 0))
         score = p / tl.sum(p, 0)
@@ -74,8 +90,78 @@ def _moe_route_kernel(
     picked_w = tl.where(shared, 1.0, picked_w)
     picked_id = tl.where(shared, NUM_EXPERTS + k - TOP_K, picked_id)
     out = k < TOP_K + NUM_SHARED
-    tl.store(weights_ptr + t * stride_o + k, picked_w, mask=out)
-    tl.store(ids_ptr + t * stride_o + k, picked_id, mask=out)
+    tl.store(weights_ptr + k, picked_w, mask=out)
+    tl.store(ids_ptr + k, picked_id, mask=out)
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, stride_o, scale,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EXPERTS_PAD)
+    ok = e < NUM_EXPERTS
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    _route(x, e, ok, bias_ptr, weights_ptr + t * stride_o, ids_ptr + t * stride_o, scale, NUM_EXPERTS, NUM_GROUPS,
+           GROUPS_PAD, TOPK_GROUPS, TOP_K, NUM_SHARED, PICKS_PAD, SOFTMAX, HAS_BIAS, GROUP_BY_TOP2, RENORMALIZE)
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, K, eps, scale,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_RES: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+):
+    # kernels.gemv's one-row program over BLOCK_N experts, its norm prologue and float32 product
+    # written out as the router's launch runs them (the same bits), then the routing by the last.
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, NUM_EXPERTS, K, K, K, BLOCK_N, PREFETCH, LINE, PDL)
+    ks = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        v = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0)
+        if HAS_RES:
+            v = (v.to(tl.float32) + tl.load(r_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                 ).to(x_ptr.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(new_r_ptr + k0 + ks, v, mask=k_ok)
+        vf = v.to(tl.float32)
+        ss += vf * vf
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_ok = (k0 + ks) < k_end
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + (k0 + ks)[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xm = _input_chunk(x_ptr, r_ptr, nw_ptr, 0, k0, ks, k_ok, 0, rstd, 1, K, 1, HAS_RES)
+        acc += tl.sum(w * xm[None, :], axis=1)
+    tl.store(logits_ptr + cols, acc, mask=col_ok)
+    if arrive(count_ptr, 0, PROGRAMS):  # every logit is stored: the last program routes
+        e = tl.arange(0, EXPERTS_PAD)
+        ok = e < NUM_EXPERTS
+        x = tl.load(logits_ptr + e, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        _route(x, e, ok, bias_ptr, weights_ptr, ids_ptr, scale, NUM_EXPERTS, NUM_GROUPS, GROUPS_PAD, TOPK_GROUPS,
+               TOP_K, NUM_SHARED, PICKS_PAD, SOFTMAX, HAS_BIAS, GROUP_BY_TOP2, RENORMALIZE)
+
+
+def _route_constants(experts: int, top_k: int, num_shared: int, softmax: bool, num_groups: int, topk_groups: int,
+                     group_by_top2: bool, renormalize: bool, has_bias: bool) -> dict[str, object]:
+    if experts % num_groups or top_k > experts:
+        raise ValueError(f"{experts} experts in {num_groups} groups, top {top_k}: not possible")
+    grouped = num_groups > 1 and topk_groups < num_groups
+    return dict(NUM_EXPERTS=experts, EXPERTS_PAD=triton.next_power_of_2(experts),
+                NUM_GROUPS=num_groups if grouped else 1, GROUPS_PAD=triton.next_power_of_2(num_groups),
+                TOPK_GROUPS=topk_groups, TOP_K=top_k, NUM_SHARED=num_shared,
+                PICKS_PAD=triton.next_power_of_2(top_k + num_shared), SOFTMAX=softmax, HAS_BIAS=has_bias,
+                GROUP_BY_TOP2=group_by_top2, RENORMALIZE=renormalize)
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_shared: int = 0, *,
@@ -86,20 +172,58 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_s
     tokens, experts = logits.shape
     if logits.stride(-1) != 1 or (bias is not None and bias.shape != (experts,)):
         raise ValueError(f"logits {tuple(logits.shape)} need a unit last stride, bias [{experts}]")
-    if experts % num_groups or top_k > experts:
-        raise ValueError(f"{experts} experts in {num_groups} groups, top {top_k}: not possible")
+    constants = _route_constants(experts, top_k, num_shared, softmax, num_groups, topk_groups, group_by_top2,
+                                 renormalize, bias is not None)
     picks = top_k + num_shared
     weights = torch.empty(tokens, picks, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, picks, dtype=torch.int32, device=logits.device)
     if tokens == 0:
         return weights, ids
-    grouped = num_groups > 1 and topk_groups < num_groups
     _moe_route_kernel[(tokens,)](
-        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), picks, scale,
-        NUM_EXPERTS=experts, EXPERTS_PAD=triton.next_power_of_2(experts), NUM_GROUPS=num_groups if grouped else 1,
-        GROUPS_PAD=triton.next_power_of_2(num_groups), TOPK_GROUPS=topk_groups, TOP_K=top_k, NUM_SHARED=num_shared,
-        PICKS_PAD=triton.next_power_of_2(picks), SOFTMAX=softmax, HAS_BIAS=bias is not None,
-        GROUP_BY_TOP2=group_by_top2, RENORMALIZE=renormalize, num_warps=4 if experts >= 128 else 1,
-        **pdl.launch_options(logits.device),
+        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), picks, scale, **constants,
+        num_warps=4 if experts >= 128 else 1, **pdl.launch_options(logits.device),
     )
     return weights, ids
+
+
+def router_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_shared: int = 0, *,
+                 softmax: bool = False, num_groups: int = 1, topk_groups: int = 1, group_by_top2: bool = True,
+                 renormalize: bool = True, scale: float = 1.0, tile: tuple[int, int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's router and routing in one launch: ``moe_route(skinny_norm_linear(x, residual,
+    norm_weight, eps, weight, split=1, out_dtype=float32)[0], bias, ...)``, the same bits. ``x``
+    and ``residual`` ``[1, H]`` (half precision or float32), ``weight`` ``[E, H]`` contiguous.
+    ``tile``: ``(BLOCK_K, warps, stages)``, ``kernels.gemv.DEFAULT_TILE`` by default. Returns
+    (weights, ids, the residual sum ``x + residual``, or ``x`` itself without one)."""
+    from .gemv import DEFAULT_TILE
+
+    experts, hidden = weight.shape
+    if x.shape != (1, hidden) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"one token of {hidden} features and its residual, got x {tuple(x.shape)} and residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    if norm_weight.shape != (hidden,) or not weight.is_contiguous() or (bias is not None and bias.shape != (experts,)):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)}, a contiguous router {tuple(weight.shape)} and "
+                         f"bias {None if bias is None else tuple(bias.shape)} disagree")
+    constants = _route_constants(experts, top_k, num_shared, softmax, num_groups, topk_groups, group_by_top2,
+                                 renormalize, bias is not None)
+    x = x.contiguous()
+    summed = torch.empty_like(x) if residual is not None else x
+    picks, device = top_k + num_shared, x.device
+    weights = torch.empty(1, picks, dtype=torch.float32, device=device)
+    ids = torch.empty(1, picks, dtype=torch.int32, device=device)
+    logits = torch.empty(experts, dtype=torch.float32, device=device)
+    block_k, warps, stages = tile or DEFAULT_TILE
+    block_n = choose_block_n(experts, _num_sms(device))
+    launch = pdl.launch_options(device)
+    prefetch, line = 0, pdl.LINE_BYTES // weight.element_size()
+    if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(device):
+        prefetch = min(triton.next_power_of_2(triton.cdiv(hidden, line)), max(1, 2048 // block_n))
+    programs = triton.cdiv(experts, block_n)
+    _router_kernel[(programs,)](
+        x, residual.contiguous() if residual is not None else x, norm_weight, summed, weight, logits,
+        last_sums.counts(device), bias if bias is not None else logits, weights, ids, hidden, eps, scale,
+        **constants, HAS_RES=residual is not None, PROGRAMS=programs, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=prefetch, LINE=line, num_warps=warps, num_stages=stages, **launch,
+    )
+    return weights, ids, summed

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ForwardContext, LatentAttentionShape, TritonOps, _composed_norm_linear, _composed_norm_moe
+from .ops import (ForwardContext, LatentAttentionShape, TritonOps, _composed_norm_linear, _composed_norm_moe,
+                  route_options)
 
 
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of a few rows (``kernels.gemv``'s
     ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of experts with the
-    norm before it in four (the router's product, the routing, ``kernels.skinny_moe``'s two), and
+    norm before it in three (the router's product with the routing, ``kernels.moe_route``'s
+    :func:`router_route`; ``kernels.skinny_moe``'s two), and
     latent attention at one token in three (``kernels.latent_heads``: the rotary and cache write
     beside ``W_UK``'s product, the attention, its splits merged inside ``W_UV``'s product): at
     batch 1 the step is a few hundred small kernels, and each one less saves its launch gap inside
@@ -43,17 +45,22 @@ class FewRowsOps(TritonOps):
         if (residual is None or not 0 < x.shape[0] <= MOE_ROUTED_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
                 or w13.dtype != x.dtype):
             return _composed_norm_moe(self, x, residual, norm, moe)
-        from specloop.kernels import skinny_moe
+        from specloop.kernels import moe_route, skinny_moe
         from specloop.kernels.gemv import skinny_norm_linear
 
+        cfg, bias = moe.config, moe.gate.e_score_correction_bias
+
         # The norm runs inside the router's product (float32 weights and logits, which also writes
-        # the residual sum) and again inside the experts' gate/up kernel, from that sum.
+        # the residual sum) and again inside the experts' gate/up kernel, from that sum; at one
+        # token the routing runs in the router's launch too.
         def route() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if x.shape[0] == 1 and moe_route.fused():
+                return moe_route.router_route(x, residual, norm.weight, norm.eps, moe.gate.weight, bias, cfg.top_k,
+                                              cfg.num_shared_experts, **route_options(cfg))
             logits, summed = skinny_norm_linear(x, residual, norm.weight, norm.eps, moe.gate.weight, split=1,
                                                 out_dtype=torch.float32)
-            return (*self.moe_route(logits, moe.gate.e_score_correction_bias, moe.config), summed)
+            return (*self.moe_route(logits, bias, cfg), summed)
 
-        cfg = moe.config
         if cfg.num_shared_experts and x.shape[0] == 1 and skinny_moe.shared_stream():
             # the shared experts' gate/up beside the router and the routing (which it does not need)
             return skinny_moe.shared_beside_routing(x, residual, (norm.weight, norm.eps), w13, moe.experts.w2,

@@ -268,10 +268,7 @@ class TritonOps:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         from specloop.kernels.moe_route import moe_route
 
-        return moe_route(logits, bias, moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
-                         num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
-                         topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
-                         renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
+        return moe_route(logits, bias, moe.top_k, moe.num_shared_experts, **route_options(moe))
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
@@ -301,6 +298,13 @@ def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: 
     fused = getattr(ops, "norm_linear", None)
     return fused(x, residual, norm, linear) if fused is not None else _composed_norm_linear(ops, x, residual, norm,
                                                                                            linear)
+
+
+def route_options(moe: MoEConfig) -> dict[str, object]:
+    """``kernels.moe_route``'s keyword arguments for ``moe``'s router."""
+    return dict(softmax=moe.scoring == "softmax", num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
+                topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
+                renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
 
 
 def _composed_norm_moe(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module,

@@ -755,6 +755,10 @@ def hopper_launches() -> list[tuple[object, dict, dict]]:
                               torch.randint(0, 64, (tokens, 6)))
             h = torch.randn(1, 2048, dtype=dtype)  # a MoE router with its norm: float32 weight and logits
             gemv.skinny_norm_linear(h, h.clone(), h[0], 1e-6, torch.randn(64, 2048), split=1, out_dtype=torch.float32)
+            route.router_route(h, h.clone(), h[0], 1e-6, torch.randn(64, 2048), None, 6, 2, softmax=True,
+                               renormalize=False)  # the same in one launch with the routing (V2-Lite)
+            route.router_route(h, None, h[0], 1e-6, torch.randn(256, 2048), torch.randn(256), 8, 1, num_groups=8,
+                               topk_groups=4)  # V3
             for norm, groups in ((None, 1), ((h[0], 1e-6), 1), (None, 4)):  # groups: the down kernel's picks spread
                 skinny_moe.skinny_moe(h, torch.randn(66, 2816, 2048, dtype=dtype),
                                       torch.randn(66, 2048, 1408, dtype=dtype), torch.rand(1, 8),

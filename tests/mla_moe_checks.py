@@ -340,5 +340,40 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
             assert len(set(routed)) == moe.top_k and all(0 <= i < moe.num_experts for i in routed), (moe, t, routed)
 
 
+def check_router_route(device: str, dtype: torch.dtype) -> None:
+    """The router and the routing of one token in one launch: the same bits as the router's
+    product (its norm and residual add inside) and the routing kernel after it, for every router
+    of the routing checks, with and without a residual."""
+    from specloop.kernels.gemv import skinny_norm_linear
+    from specloop.kernels.last_sums import counts
+    from specloop.kernels.moe_route import router_route
+
+    torch.manual_seed(0)
+    for moe in ROUTE_CASES:
+        hidden = 96
+        x, r = (torch.randn(1, hidden, device=device).to(dtype) for _ in range(2))
+        nw = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+        w = torch.randn(moe.num_experts, hidden, device=device) / 4
+        bias = torch.randn(moe.num_experts, device=device) * 0.3 if moe.topk_method == "noaux_tc" else None
+        options = dict(softmax=moe.scoring == "softmax", num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
+                       topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
+                       renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
+        for residual in (r, None):
+            logits, want_sum = skinny_norm_linear(x, residual, nw, 1e-6, w, split=1, out_dtype=torch.float32)
+            want = (*moe_route_kernel(logits, bias, moe.top_k, moe.num_shared_experts, **options), want_sum)
+            got = router_route(x, residual, nw, 1e-6, w, bias, moe.top_k, moe.num_shared_experts, **options)
+            for a, b, what in zip(got, want, ("weights", "ids", "residual sum")):
+                assert torch.equal(a, b), (moe, dtype, residual is None, what, a, b)
+            assert not counts(torch.device(device)).any(), "arrival count left non-zero"
+    try:
+        router_route(torch.randn(2, 8, device=device), None, torch.ones(8, device=device), 1e-6,
+                     torch.randn(4, 8, device=device), None, 2)
+    except ValueError as e:
+        assert "one token" in str(e)
+    else:
+        raise AssertionError("router_route took two tokens")
+
+
 CHECKS = {"mla_attention": check_mla_attention, "mla_rope_cache": check_mla_rope_cache, "fused_moe": check_fused_moe,
-          "skinny_moe": check_skinny_moe, "moe_route": check_moe_route}
+          "skinny_moe": check_skinny_moe, "moe_route": check_moe_route,
+          "router_route": check_router_route}

@@ -118,11 +118,13 @@ def check_few_rows_decode(device: str, variant: str) -> None:
     tokens as the gpu runner without them."""
     import specloop.kernels.gemv as gemv
     import specloop.kernels.latent_heads as latent_heads
+    import specloop.kernels.moe_route as moe_route
     import specloop.kernels.skinny_moe as skinny_moe
 
     model = tiny(variant)
-    calls = {"linear": 0, "moe": 0, "rope_uk": 0, "merged_uv": 0}
+    calls = {"linear": 0, "moe": 0, "rope_uk": 0, "merged_uv": 0, "router": 0}
     launch, moe, rope_uk, uv = gemv._launch, skinny_moe.skinny_moe, latent_heads.rope_cache_uk, latent_heads.head_gemv
+    router = moe_route.router_route  # a one-token MoE's router with its routing (fused_routing)
     beside = skinny_moe.shared_beside_routing  # a one-token MoE with shared experts (moe_shared_stream)
 
     def counted(name: str, fn: Any) -> Any:
@@ -137,11 +139,13 @@ def check_few_rows_decode(device: str, variant: str) -> None:
 
     outs = {}
     gemv._launch, skinny_moe.skinny_moe = counted("linear", launch), counted("moe", moe)
-    skinny_moe.shared_beside_routing = counted("moe", beside)
+    skinny_moe.shared_beside_routing, moe_route.router_route = counted("moe", beside), counted("router", router)
     latent_heads.rope_cache_uk, latent_heads.head_gemv = counted("rope_uk", rope_uk), merged_uv
     try:
-        # without the few-rows kernels; with them, latent attention's products fused, then not
-        for options in ({"skinny_gemv": False}, {"skinny_gemv": True}, {"skinny_gemv": True, "fused_latent": False}):
+        # without the few-rows kernels; with them, latent attention's products and the routing
+        # fused, then not
+        for options in ({"skinny_gemv": False}, {"skinny_gemv": True},
+                        {"skinny_gemv": True, "fused_latent": False, "fused_routing": False}):
             before = dict(calls)
             runner = make_runner(model.path, "gpu", device, "float16", plugin_options={"gpu": options})
             plans = Plans(runner, 4, 64)
@@ -154,11 +158,12 @@ def check_few_rows_decode(device: str, variant: str) -> None:
             if not options["skinny_gemv"]:
                 assert not any(calls.values()), calls
             if "fused_latent" in options:
-                assert calls["rope_uk"] == before["rope_uk"] and calls["merged_uv"] == before["merged_uv"], calls
+                assert all(calls[k] == before[k] for k in ("rope_uk", "merged_uv", "router")), calls
             if "deepseek" in variant and len(options) == 1 and options["skinny_gemv"]:
-                assert calls["rope_uk"] >= 8 and calls["merged_uv"] >= 1, calls
+                assert calls["rope_uk"] >= 8 and calls["merged_uv"] >= 1 and calls["router"] >= 8, calls
     finally:
         gemv._launch, skinny_moe.skinny_moe, skinny_moe.shared_beside_routing = launch, moe, beside
+        moe_route.router_route = router
         latent_heads.rope_cache_uk, latent_heads.head_gemv = rope_uk, uv
     assert calls["linear"] >= 8 * 4 and (calls["moe"] >= 8 or "deepseek" not in variant), calls
     assert len(set(map(tuple, outs.values()))) == 1, (variant, outs)

@@ -42,7 +42,7 @@ LARGE_MOE_CASES = [(1, 2048, 1408, 64, 6), (64, 2048, 1408, 64, 6), (700, 2048, 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("check", ["paged_attention", "attention_rope", "kv_write", "rms_norm", "rotary",
                                    "qk_rope_cache", "silu_and_mul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "skinny_moe",
-                                   "moe_route", "token_bitmask", "argmax_rows", "matmul", "verify", "ngram"])
+                                   "moe_route", "router_route", "token_bitmask", "argmax_rows", "matmul", "verify", "ngram"])
 def test_kernel_matches_torch_reference(check: str, dtype: torch.dtype) -> None:
     kc.ALL_CHECKS[check]("cuda", dtype)
 

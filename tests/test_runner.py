@@ -296,7 +296,7 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     assert runner.attn_backend.decode_config == (32, 4, 2)
     runner.shutdown()
     # moe_down_groups: programs over a token's experts in the one-token MoE's down kernel, 1 to 64.
-    from specloop.kernels import skinny_moe
+    from specloop.kernels import moe_route, skinny_moe
 
     assert GpuPlatform(EngineConfig()).moe_down_groups is None  # MOE_DOWN_GROUPS where the kernel runs
     for bad in (0, 65, 2.0, True, "4"):
@@ -336,6 +336,20 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="moe_shared_stream.*which this engine does not have"):  # no experts
         runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"moe_shared_stream": True, "skinny_gemv": True}})
+    # fused_routing: a one-token MoE's router and routing in one kernel; the same rules.
+    assert GpuPlatform(EngineConfig(device="cuda")).fused_routing is True
+    with pytest.raises(ValueError, match="fused_routing.*skinny_gemv is off"):
+        GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {"fused_routing": True}}))
+    try:
+        runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
+                                           plugin_options={"gpu": {"fused_routing": False, "skinny_gemv": True}})
+        runner.shutdown()
+        assert moe_route.fused() is False
+    finally:
+        moe_route.set_fused(True)
+    with pytest.raises(ValueError, match="fused_routing.*which this engine does not run"):  # no experts
+        runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
+                                  plugin_options={"gpu": {"fused_routing": True, "skinny_gemv": True}})
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})

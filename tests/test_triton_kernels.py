@@ -57,7 +57,7 @@ def _run_together(*runs: tuple[str, str], script: Path, timeout: int = 900) -> N
 
 
 @pytest.mark.parametrize("check", ["paged_attention", "attention_rope", "kv_write", "rms_norm", "rotary", "qk_rope_cache",
-                                   "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "skinny_moe", "moe_route",
+                                   "silu_and_mul", "matmul", "skinny_linear", "mla_attention", "mla_rope_cache", "fused_moe", "skinny_moe", "moe_route", "router_route",
                                    "token_bitmask", "verify", "ngram", "argmax_rows"])
 def test_kernel_matches_torch_reference(check: str) -> None:
     _run(check, "float32,float16")

@@ -47,7 +47,9 @@ product and its split merge inside ``W_UV``'s, ``kernels.latent_heads``; on an H
 DeepSeek-V2-Lite's batch-1 decode 1.5-5% faster; refused without ``skinny_gemv``) and
 ``moe_shared_stream`` (default on with ``skinny_gemv``: a one-token MoE's shared experts start on a
 second stream beside the router and the routing, ``kernels.skinny_moe.shared_beside_routing``;
-``True`` refused where no such MoE runs, any value without ``skinny_gemv``).
+``True`` refused where no such MoE runs, any value without ``skinny_gemv``) and ``fused_routing``
+(default on with ``skinny_gemv``: a one-token MoE's router and routing in one kernel, the routing
+run by the router's last program to finish, ``kernels.moe_route.router_route``; refused likewise).
 Any other key is refused.
 """
 
@@ -60,7 +62,7 @@ import torch
 
 from specloop.kernel.config import EngineConfig
 from specloop.kernel.plugins import PluginManager
-from specloop.kernels import last_sums, latent_heads, pdl, skinny_moe
+from specloop.kernels import last_sums, latent_heads, moe_route, pdl, skinny_moe
 from specloop.kernels.gemv import MAX_ROWS, ROUTED_ROWS, SMALL_ROUTED_ROWS, set_routed_rows
 from specloop.kernels.gemv import few_rows_linear
 from specloop.models.few_rows_ops import FEW_ROWS_OPS
@@ -94,7 +96,7 @@ class GpuPlatform:
     overlap = "device"
     OPTIONS = ("fused", "cuda_graphs", "device_proposals", "device_timeline", "skinny_gemv", "graph_sampling",
                "late_verification", "pdl", "rope_in_attention", "last_sums", "skinny_rows", "decode_tile",
-               "long_context_graphs", "moe_down_groups", "fused_latent", "moe_shared_stream")
+               "long_context_graphs", "moe_down_groups", "fused_latent", "moe_shared_stream", "fused_routing")
 
     def __init__(self, config: EngineConfig) -> None:
         opts = dict(options_of(config, "gpu", self.OPTIONS))
@@ -144,6 +146,11 @@ class GpuPlatform:
                              "one-token MoE, which skinny_gemv is off for")
         self.moe_shared_stream = bool(opts.get("moe_shared_stream", True))
         self.shared_stream_given = opts.get("moe_shared_stream") is True
+        if opts.get("fused_routing") and not self.skinny_gemv:
+            raise ValueError("plugin_options['gpu']['fused_routing'] sets how the few-rows op set runs a one-token "
+                             "MoE, which skinny_gemv is off for")
+        self.fused_routing = bool(opts.get("fused_routing", True))
+        self.fused_routing_given = opts.get("fused_routing") is True
 
     def ops(self, config: EngineConfig) -> Ops:
         if not self.fused:
@@ -157,6 +164,9 @@ class GpuPlatform:
             raise ValueError("plugin_options['gpu']['moe_shared_stream'] runs a one-token MoE's shared experts beside "
                              "its routing, which this engine does not have (a model without shared experts, or fused "
                              "or skinny_gemv off)")
+        if self.fused_routing_given and not one_token_moe:
+            raise ValueError("plugin_options['gpu']['fused_routing'] routes a one-token MoE in its router's kernel, "
+                             "which this engine does not run (a model without experts, or fused or skinny_gemv off)")
         if self.moe_down_groups not in (None, 1) and not one_token_moe:
             raise ValueError("plugin_options['gpu']['moe_down_groups'] sets the one-token MoE kernel's programs, "
                              "which this engine does not run (a model without experts, or fused or skinny_gemv off)")
@@ -168,6 +178,9 @@ class GpuPlatform:
         set_routed_rows(self.skinny_rows or default_skinny_rows(runner.model, runner.device))
         latent_heads.set_fused(self.fused_latent)
         skinny_moe.set_shared_stream(self.moe_shared_stream)
+        moe_route.set_fused(self.fused_routing)
+        if one_token_moe and self.fused_routing and runner.device.type == "cuda":
+            last_sums.counts(runner.device)  # the router's arrival count, allocated before any graph capture
         skinny_moe.set_down_groups(self.moe_down_groups or (MOE_DOWN_GROUPS if one_token_moe else 1))
         if pdl.enabled(runner.device):
             logger.info("programmatic dependent launch in the decode path's kernels")
