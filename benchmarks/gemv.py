@@ -145,6 +145,49 @@ def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None 
     return row
 
 
+def time_router(shape: str, calls: int, replays: int, sweep: str) -> dict[str, Any]:
+    """A MoE router of ``shape`` at one token with the norm before it (float32 weights, softmax
+    routing as V2-Lite's): the router's few-rows product then the routing kernel, against the two
+    in one launch (``kernels.moe_route.router_route``) at its default tile and at each of
+    ``sweep`` (``"block_n:split:block_k:warps:stages:stats_block"`` lists, :func:`tiles_of`)."""
+    from specloop.kernels.gemv import skinny_norm_linear
+    from specloop.kernels.moe_route import ROUTER_TILE, moe_route, router_route
+
+    s = SHAPES[shape]
+    h, experts, top_k, shared = s["hidden_size"], s["n_routed_experts"], s["num_experts_per_tok"], s["n_shared_experts"]
+    dev = torch.device("cuda")
+    copies = 64  # distinct routers and inputs, as distinct layers would be
+    ws = [torch.randn(experts, h, device=dev) * 0.02 for _ in range(copies)]
+    xs = [torch.randn(1, h, dtype=torch.bfloat16, device=dev) for _ in range(copies)]
+    nw = torch.ones(h, dtype=torch.bfloat16, device=dev)
+    opts = dict(softmax=True, renormalize=False)
+
+    def two(i: int) -> Any:
+        logits, _ = skinny_norm_linear(xs[i], xs[i - 1], nw, 1e-6, ws[i], split=1, out_dtype=torch.float32)
+        return moe_route(logits, None, top_k, shared, **opts)
+
+    def one(i: int, tile: tuple[int, ...] | None = None) -> Any:
+        return router_route(xs[i], xs[i - 1], nw, 1e-6, ws[i], None, top_k, shared, tile=tile, **opts)
+
+    same = all(torch.equal(two(i)[1].sort().values, one(i)[1].sort().values) for i in range(8))
+    before, fused = time_call(two, copies, calls, replays), time_call(one, copies, calls, replays)
+    tiles = {}
+    for tile in tiles_of(sweep):
+        try:
+            tiles[tile] = time_call(lambda i, t=tile: one(i, t), copies, calls, replays)
+        except Exception as e:  # a tile that does not fit
+            tiles[tile] = float("inf")
+            print(f"  router tile {tile}: {type(e).__name__}", file=sys.stderr)
+    best = min(tiles, key=tiles.get) if tiles else ROUTER_TILE
+    print(f"| {shape} | router + routing, {experts} experts x {h} | product then routing {before:.1f} us | one launch "
+          f"{fused:.1f} us ({ROUTER_TILE}) | best {tiles.get(best, fused):.1f} us {best} | same picks: {same} |",
+          flush=True)
+    for tile, us in sorted(tiles.items(), key=lambda kv: kv[1])[:12]:
+        print(f"  router tile {tile}: {us:.2f} us", flush=True)
+    return dict(shape=shape, layer="router", two_kernels_us=before, router_route_us=fused, same_picks=same,
+                best_tile=list(best), tiles={str(t): v for t, v in tiles.items()})
+
+
 def one_sequence(context: int, page: int, dev: torch.device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step of one sequence over ``context`` tokens in consecutive pages: (pages, query
     start locations, sequence lengths, block table)."""
@@ -266,6 +309,9 @@ def main() -> None:
                         "'BLOCK_N list : BLOCK_K list : warps list : stages list', the down kernel's with an "
                         "optional ': groups list' (programs over a token's picks; 1 the default) ('' for none)")
     parser.add_argument("--moe-tokens", default="1", help="tokens a MoE call, a list (the sweep runs at the first)")
+    parser.add_argument("--router-shapes", default="", help="MoE routers to time at one token ('' for none)")
+    parser.add_argument("--router-sweep", default="1,2,4:1,2,4,8:256,512:2,4:2:512,2048",
+                        help="router_route tiles: block_n:split:block_k:warps:stages:stats_block lists")
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")
     parser.add_argument("--attention-shapes", default="", help="shapes whose paged attention to time ('' for none)")
@@ -340,6 +386,8 @@ def main() -> None:
         for i, tokens in enumerate(int(t) for t in args.moe_tokens.split(",")):
             results.append(time_moe(shape, args.calls, args.replays, sweep if i == 0 else None, tokens))
         torch.cuda.empty_cache()
+    for shape in filter(None, args.router_shapes.split(",")):
+        results.append(time_router(shape, args.calls, args.replays, args.router_sweep))
     for shape in filter(None, args.mla_shapes.split(",")):
         results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
     for shape in filter(None, args.attention_shapes.split(",")):

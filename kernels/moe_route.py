@@ -10,9 +10,9 @@ scaled. Picks are made by repeated argmax (lowest index on ties), in descending 
 
 At one token (a decode step at batch 1, an MTP draft) :func:`router_route` runs the router too,
 in the same launch: the norm before the layer (with the residual add), the router's float32
-product a few experts a program, and the routing by the last program to finish
-(``kernels.last_sums``' count), which reads every logit back; one kernel where there were two,
-the same bits.
+product over many small programs (the router is a fraction of a MB, read by a few programs it
+is a chain of latencies), and the routing by the last program to finish (``kernels.last_sums``'
+count), which adds the programs' partial logits in order; one kernel where there were two.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import last_sums, pdl
-from .gemv import _input_chunk, choose_block_n, _num_sms
+from .gemv import _input_chunk
 from .last_sums import arrive
 from .pdl import wait_previous
 from .rows_dot import program_slice
@@ -113,29 +113,31 @@ def _moe_route_kernel(
 
 @triton.jit
 def _router_kernel(
-    x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, K, eps, scale,
+    x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, weights_ptr, ids_ptr, K, k_per_split, eps,
+    scale,
     NUM_EXPERTS: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, PICKS_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_BY_TOP2: tl.constexpr, RENORMALIZE: tl.constexpr,
-    HAS_RES: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STATS_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
-    # kernels.gemv's one-row program over BLOCK_N experts, its norm prologue and float32 product
-    # written out as the router's launch runs them (the same bits), then the routing by the last.
-    cols, col_ok, k_start, k_end = program_slice(w_ptr, NUM_EXPERTS, K, K, K, BLOCK_N, PREFETCH, LINE, PDL)
-    ks = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
-        v = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0)
+    # A few-rows program (kernels.gemv's) over BLOCK_N experts and one of SPLIT slices of the
+    # inputs, its norm prologue rounded as the norm kernel rounds it; then the routing by the last.
+    cols, col_ok, k_start, k_end = program_slice(w_ptr, NUM_EXPERTS, K, k_per_split, K, BLOCK_N, PREFETCH, LINE, PDL)
+    sk = tl.arange(0, STATS_BLOCK)
+    ss = tl.zeros([STATS_BLOCK], tl.float32)
+    for k0 in range(0, K, STATS_BLOCK):  # the row's statistics: every program reads it whole (from L2)
+        k_ok = (k0 + sk) < K
+        v = tl.load(x_ptr + k0 + sk, mask=k_ok, other=0.0)
         if HAS_RES:
-            v = (v.to(tl.float32) + tl.load(r_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            v = (v.to(tl.float32) + tl.load(r_ptr + k0 + sk, mask=k_ok, other=0.0).to(tl.float32)
                  ).to(x_ptr.dtype.element_ty)
-            if tl.program_id(0) == 0:
-                tl.store(new_r_ptr + k0 + ks, v, mask=k_ok)
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                tl.store(new_r_ptr + k0 + sk, v, mask=k_ok)
         vf = v.to(tl.float32)
         ss += vf * vf
     rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = (k0 + ks) < k_end
@@ -143,13 +145,15 @@ def _router_kernel(
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         xm = _input_chunk(x_ptr, r_ptr, nw_ptr, 0, k0, ks, k_ok, 0, rstd, 1, K, 1, HAS_RES)
         acc += tl.sum(w * xm[None, :], axis=1)
-    tl.store(logits_ptr + cols, acc, mask=col_ok)
-    if arrive(count_ptr, 0, PROGRAMS):  # every logit is stored: the last program routes
+    tl.store(part_ptr + tl.program_id(1) * NUM_EXPERTS + cols, acc, mask=col_ok)
+    if arrive(count_ptr, 0, PROGRAMS):  # every slice of every logit is stored: the last program routes
         e = tl.arange(0, EXPERTS_PAD)
         ok = e < NUM_EXPERTS
-        x = tl.load(logits_ptr + e, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        _route(x, e, ok, bias_ptr, weights_ptr, ids_ptr, scale, NUM_EXPERTS, NUM_GROUPS, GROUPS_PAD, TOPK_GROUPS,
-               TOP_K, NUM_SHARED, PICKS_PAD, SOFTMAX, HAS_BIAS, GROUP_BY_TOP2, RENORMALIZE)
+        x = tl.zeros([EXPERTS_PAD], tl.float32)
+        for s in tl.static_range(SPLIT):  # in order: the same logits every run
+            x += tl.load(part_ptr + s * NUM_EXPERTS + e, mask=ok, other=0.0, cache_modifier=".cg")
+        _route(tl.where(ok, x, float("-inf")), e, ok, bias_ptr, weights_ptr, ids_ptr, scale, NUM_EXPERTS, NUM_GROUPS,
+               GROUPS_PAD, TOPK_GROUPS, TOP_K, NUM_SHARED, PICKS_PAD, SOFTMAX, HAS_BIAS, GROUP_BY_TOP2, RENORMALIZE)
 
 
 def _route_constants(experts: int, top_k: int, num_shared: int, softmax: bool, num_groups: int, topk_groups: int,
@@ -186,18 +190,23 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_s
     return weights, ids
 
 
+# The router's launch, ``(BLOCK_N, split, BLOCK_K, warps, stages, STATS_BLOCK)``: experts a program,
+# slices of the inputs, the product's chunk and warps and stages, the norm statistics' chunk.
+ROUTER_TILE = (2, 2, 512, 4, 3, 2048)
+
+
 def router_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_shared: int = 0, *,
                  softmax: bool = False, num_groups: int = 1, topk_groups: int = 1, group_by_top2: bool = True,
-                 renormalize: bool = True, scale: float = 1.0, tile: tuple[int, int, int] | None = None
+                 renormalize: bool = True, scale: float = 1.0, tile: tuple[int, ...] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token's router and routing in one launch: ``moe_route(skinny_norm_linear(x, residual,
-    norm_weight, eps, weight, split=1, out_dtype=float32)[0], bias, ...)``, the same bits. ``x``
-    and ``residual`` ``[1, H]`` (half precision or float32), ``weight`` ``[E, H]`` contiguous.
-    ``tile``: ``(BLOCK_K, warps, stages)``, ``kernels.gemv.DEFAULT_TILE`` by default. Returns
-    (weights, ids, the residual sum ``x + residual``, or ``x`` itself without one)."""
-    from .gemv import DEFAULT_TILE
-
+    """One token's router and routing in one launch: :func:`moe_route` of the router's logits
+    ``F.linear(rms_norm(x + residual), weight)`` (float32, the norm rounded as ``ops.add_rms_norm``
+    rounds it). ``x`` and ``residual`` ``[1, H]``, ``weight`` ``[E, H]`` contiguous (float32, as
+    ``models.moe`` keeps it). The product runs ``tile[0]`` experts a program over ``tile[1]``
+    slices of the inputs (:data:`ROUTER_TILE`), the slices' float32 sums added in order by the
+    program that finishes last, which then routes. Returns (weights, ids, the residual sum ``x +
+    residual``, or ``x`` itself without one)."""
     experts, hidden = weight.shape
     if x.shape != (1, hidden) or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"one token of {hidden} features and its residual, got x {tuple(x.shape)} and residual "
@@ -207,23 +216,25 @@ def router_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
                          f"bias {None if bias is None else tuple(bias.shape)} disagree")
     constants = _route_constants(experts, top_k, num_shared, softmax, num_groups, topk_groups, group_by_top2,
                                  renormalize, bias is not None)
+    block_n, split, block_k, warps, stages, stats_block = tile or ROUTER_TILE
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    split = triton.cdiv(hidden, k_per_split)
     x = x.contiguous()
     summed = torch.empty_like(x) if residual is not None else x
     picks, device = top_k + num_shared, x.device
     weights = torch.empty(1, picks, dtype=torch.float32, device=device)
     ids = torch.empty(1, picks, dtype=torch.int32, device=device)
-    logits = torch.empty(experts, dtype=torch.float32, device=device)
-    block_k, warps, stages = tile or DEFAULT_TILE
-    block_n = choose_block_n(experts, _num_sms(device))
+    parts = torch.empty(split, experts, dtype=torch.float32, device=device)
     launch = pdl.launch_options(device)
     prefetch, line = 0, pdl.LINE_BYTES // weight.element_size()
     if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(device):
-        prefetch = min(triton.next_power_of_2(triton.cdiv(hidden, line)), max(1, 2048 // block_n))
-    programs = triton.cdiv(experts, block_n)
-    _router_kernel[(programs,)](
-        x, residual.contiguous() if residual is not None else x, norm_weight, summed, weight, logits,
-        last_sums.counts(device), bias if bias is not None else logits, weights, ids, hidden, eps, scale,
-        **constants, HAS_RES=residual is not None, PROGRAMS=programs, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=prefetch, LINE=line, num_warps=warps, num_stages=stages, **launch,
+        prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
+    grid = (triton.cdiv(experts, block_n), split)
+    _router_kernel[grid](
+        x, residual.contiguous() if residual is not None else x, norm_weight, summed, weight, parts,
+        last_sums.counts(device), bias if bias is not None else parts, weights, ids, hidden, k_per_split, eps, scale,
+        **constants, HAS_RES=residual is not None, SPLIT=split, PROGRAMS=grid[0] * split, BLOCK_N=block_n,
+        BLOCK_K=block_k, STATS_BLOCK=min(stats_block, triton.next_power_of_2(hidden)), PREFETCH=prefetch, LINE=line,
+        num_warps=warps, num_stages=stages, **launch,
     )
     return weights, ids, summed

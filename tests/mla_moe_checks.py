@@ -341,14 +341,16 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
 
 
 def check_router_route(device: str, dtype: torch.dtype) -> None:
-    """The router and the routing of one token in one launch: the same bits as the router's
-    product (its norm and residual add inside) and the routing kernel after it, for every router
-    of the routing checks, with and without a residual."""
+    """The router and the routing of one token in one launch pick the experts of the router's
+    product (its norm and residual add inside) and the routing kernel after it, with their
+    weights (the logits' sums run in another order), for every router of the routing checks, with
+    and without a residual, in slices of the inputs or not; and write the same residual sum."""
     from specloop.kernels.gemv import skinny_norm_linear
     from specloop.kernels.last_sums import counts
-    from specloop.kernels.moe_route import router_route
+    from specloop.kernels.moe_route import ROUTER_TILE, router_route
 
     torch.manual_seed(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
     for moe in ROUTE_CASES:
         hidden = 96
         x, r = (torch.randn(1, hidden, device=device).to(dtype) for _ in range(2))
@@ -358,12 +360,16 @@ def check_router_route(device: str, dtype: torch.dtype) -> None:
         options = dict(softmax=moe.scoring == "softmax", num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
                        topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
                        renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
-        for residual in (r, None):
+        for residual, tile in ((r, ROUTER_TILE), (None, ROUTER_TILE), (r, (4, 1, 32, 4, 2, 32)), (r, (1, 4, 16, 2, 2, 64))):
             logits, want_sum = skinny_norm_linear(x, residual, nw, 1e-6, w, split=1, out_dtype=torch.float32)
-            want = (*moe_route_kernel(logits, bias, moe.top_k, moe.num_shared_experts, **options), want_sum)
-            got = router_route(x, residual, nw, 1e-6, w, bias, moe.top_k, moe.num_shared_experts, **options)
-            for a, b, what in zip(got, want, ("weights", "ids", "residual sum")):
-                assert torch.equal(a, b), (moe, dtype, residual is None, what, a, b)
+            want_w, want_ids = moe_route_kernel(logits, bias, moe.top_k, moe.num_shared_experts, **options)
+            got_w, got_ids, got_sum = router_route(x, residual, nw, 1e-6, w, bias, moe.top_k, moe.num_shared_experts,
+                                                   tile=tile, **options)
+            assert torch.equal(got_sum, want_sum), (moe, dtype, tile, "residual sum")
+            want = dict(zip(want_ids[0].tolist(), want_w[0].tolist()))
+            got = dict(zip(got_ids[0].tolist(), got_w[0].tolist()))
+            assert want.keys() == got.keys(), (moe, dtype, tile, sorted(want), sorted(got))
+            assert all(abs(want[k] - got[k]) <= tol * max(1.0, abs(want[k])) for k in want), (moe, dtype, tile, want, got)
             assert not counts(torch.device(device)).any(), "arrival count left non-zero"
     try:
         router_route(torch.randn(2, 8, device=device), None, torch.ones(8, device=device), 1e-6,
