@@ -321,35 +321,24 @@ def test_gpu_runner_options_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
         with pytest.raises(ValueError, match="moe_down_groups.*which this engine does not run"):
             runner_checks.make_runner(tiny(variant).path, "gpu", "cpu", "float32",
                                       plugin_options={"gpu": {"moe_down_groups": 4, **options}})
-    # moe_shared_stream: a one-token MoE's shared experts beside its routing; on by default, set on
-    # the kernels' module as the parts are built, refused without the few-rows kernels.
-    assert GpuPlatform(EngineConfig(device="cuda")).moe_shared_stream is True
-    with pytest.raises(ValueError, match="moe_shared_stream.*skinny_gemv is off"):
-        GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {"moe_shared_stream": True}}))
-    try:
-        runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
-                                           plugin_options={"gpu": {"moe_shared_stream": False, "skinny_gemv": True}})
-        runner.shutdown()
-        assert skinny_moe.shared_stream() is False
-    finally:
-        skinny_moe.set_shared_stream(True)
-    with pytest.raises(ValueError, match="moe_shared_stream.*which this engine does not have"):  # no experts
-        runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
-                                  plugin_options={"gpu": {"moe_shared_stream": True, "skinny_gemv": True}})
-    # fused_routing: a one-token MoE's router and routing in one kernel; the same rules.
-    assert GpuPlatform(EngineConfig(device="cuda")).fused_routing is True
-    with pytest.raises(ValueError, match="fused_routing.*skinny_gemv is off"):
-        GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {"fused_routing": True}}))
-    try:
-        runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
-                                           plugin_options={"gpu": {"fused_routing": False, "skinny_gemv": True}})
-        runner.shutdown()
-        assert moe_route.fused() is False
-    finally:
-        moe_route.set_fused(True)
-    with pytest.raises(ValueError, match="fused_routing.*which this engine does not run"):  # no experts
-        runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
-                                  plugin_options={"gpu": {"fused_routing": True, "skinny_gemv": True}})
+    # moe_shared_stream (a one-token MoE's shared experts beside its routing) and fused_routing (its
+    # router and routing in one kernel): on by default, set on the kernels' module as the parts are
+    # built, refused without the few-rows kernels and, given True, for a model without experts.
+    for option, state, set_state in (("moe_shared_stream", skinny_moe.shared_stream, skinny_moe.set_shared_stream),
+                                     ("fused_routing", moe_route.fused, moe_route.set_fused)):
+        assert getattr(GpuPlatform(EngineConfig(device="cuda")), option) is True
+        with pytest.raises(ValueError, match=f"{option}.*skinny_gemv is off"):
+            GpuPlatform(EngineConfig(device="cpu", plugin_options={"gpu": {option: True}}))
+        try:
+            runner = runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
+                                               plugin_options={"gpu": {option: False, "skinny_gemv": True}})
+            runner.shutdown()
+            assert state() is False, option
+        finally:
+            set_state(True)
+        with pytest.raises(ValueError, match=f"{option}.*which this engine does not (have|run)"):  # no experts
+            runner_checks.make_runner(tiny("qwen3").path, "gpu", "cpu", "float32",
+                                      plugin_options={"gpu": {option: True, "skinny_gemv": True}})
     with pytest.raises(ValueError, match="decode_tile.*does not tune"):  # latent attention has its own tile
         runner_checks.make_runner(tiny("deepseek_v3").path, "gpu", "cpu", "float32",
                                   plugin_options={"gpu": {"decode_tile": [32, 4, 2]}})
