@@ -9,7 +9,7 @@
 # stage, 1 by default: comparing policies needs 4 or more, or the runs are a few hundred steps;
 # STRUCTURED_ARGS: more structured_outputs.py flags, e.g. --shape llama3-8b; MTP_ARGS / DECODE_ARGS: more
 # mtp_cost.py / decode_latency.py flags (the decode and deepseek stages), e.g. --no-skinny-gemv)
-# (stages: tests spectests offline decode decode8b peer prefill gemv tune moe long_context probe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
+# (stages: tests spectests offline decode decode8b peer prefill gemv tune moe ds_batch1 long_context probe attention launches breakdown phases serving spec spec8b mtp deepseek structured; the commit is passed in because
 # the tree reaches the GPU machine without .git). On a machine of 4 GPUs the multi-GPU stages run by
 # name: `benchmarks/h200_suite.sh tp dp` (TP=1/2/4 on llama3-8b and the 70B per-layer shapes over
 # 10 of its layers at TP=4; DP=1/2 serving of llama3-8b); runs needing more GPUs than present are
@@ -97,6 +97,17 @@ for s in $stages; do
                --moe-down-groups "$g"
         done
       done ;;
+    ds_batch1)  # DeepSeek-V2-Lite batch 1: the defaults against PDL, the shared experts' stream and the fused
+                # routing off (DS_OFF: the flags turned off), in turn, twice; then the router alone
+      for run in a b; do
+        stage "ds_batch1_defaults_$run" "${T_DS_B1:-100}" python3 benchmarks/decode_latency.py \
+             --out "$RES/ds_batch1_defaults_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1
+        stage "ds_batch1_off_$run" "${T_DS_B1:-100}" python3 benchmarks/decode_latency.py \
+             --out "$RES/ds_batch1_off_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1 \
+             ${DS_OFF:---no-pdl --no-moe-shared-stream --no-fused-routing}
+      done
+      stage router "${T_ROUTER:-150}" python3 benchmarks/gemv.py --out "$RES/router" --skip-linear --moe-shapes "" \
+             --router-shapes deepseek-v2-lite --pdl ;;
     long_context)  # decode graphs with more splits over long contexts (long_context_graphs), off and on, in turn
       for run in a b; do
         for opt in --no-long-context-graphs --long-context-graphs; do
