@@ -125,13 +125,13 @@ for s in $stages; do
              --attention-sweep "${ATTENTION_SWEEP:-32,64,128:4:2:1,2,4,8,16,32}" ;;
     launches)  # fewer launches a layer, each off by default until measured: rotary inside decode attention
                # (rope_in_attention), split sums by the last program (last_sums); their GPU tests, then decode
-      stage launches_tests "${T_LAUNCHES_TESTS:-150}" python3 -P -m pytest -q -m gpu -p no:cacheprovider \
+      [ -n "${LAUNCH_SKIP_TESTS:-}" ] || stage launches_tests "${T_LAUNCHES_TESTS:-150}" python3 -P -m pytest -q -m gpu -p no:cacheprovider \
              tests/test_gpu_backend.py -k "rope or skinny_linear or paged_attention or launch_options"
       for opts in "--no-rope-in-attention --no-last-sums" "--rope-in-attention" "--last-sums" \
                   "--rope-in-attention --last-sums"; do
         name=$(echo "$opts" | tr -d '-' | tr ' ' '_')
         stage "decode_$name" "${T_DECODE_LAUNCHES:-80}" python3 benchmarks/decode_latency.py --out "$RES/$name" \
-             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes 1,4 $opts
+             --ckpt-root "$CKPT" --shapes qwen3-0.6b --batch-sizes "${LAUNCH_BATCHES:-1,4}" $opts
       done ;;
     tp) stage tp_tests "${T_TP_TESTS:-120}" python3 -P -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
         stage tensor_parallel "${T_TP:-460}" python3 benchmarks/distributed.py --out "$RES/tp" --ckpt-root "$CKPT" \
