@@ -97,14 +97,19 @@ for s in $stages; do
                --moe-down-groups "$g"
         done
       done ;;
-    ds_batch1)  # DeepSeek-V2-Lite batch 1: the defaults against PDL, the shared experts' stream and the fused
-                # routing off (DS_OFF: the flags turned off), in turn, twice; then the router alone
+    ds_batch1)  # DeepSeek-V2-Lite batch 1: the defaults, without the shared experts' stream (the fused router
+                # is shorter than the stream's kernel), and with PDL, the stream and the fused routing off
+                # (DS_OFF), in turn, twice; then the router alone
       for run in a b; do
-        stage "ds_batch1_defaults_$run" "${T_DS_B1:-100}" python3 benchmarks/decode_latency.py \
-             --out "$RES/ds_batch1_defaults_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1
-        stage "ds_batch1_off_$run" "${T_DS_B1:-100}" python3 benchmarks/decode_latency.py \
-             --out "$RES/ds_batch1_off_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1 \
-             ${DS_OFF:---no-pdl --no-moe-shared-stream --no-fused-routing}
+        for variant in defaults no_stream off; do
+          case $variant in
+            defaults) flags= ;;
+            no_stream) flags=--no-moe-shared-stream ;;
+            off) flags=${DS_OFF:---no-pdl --no-moe-shared-stream --no-fused-routing} ;;
+          esac
+          stage "ds_batch1_${variant}_$run" "${T_DS_B1:-100}" python3 benchmarks/decode_latency.py \
+               --out "$RES/ds_batch1_${variant}_$run" --ckpt-root "$CKPT" --shapes deepseek-v2-lite --batch-sizes 1 $flags
+        done
       done
       stage router "${T_ROUTER:-150}" python3 benchmarks/gemv.py --out "$RES/router" --skip-linear --moe-shapes "" \
              --router-shapes deepseek-v2-lite --pdl ;;

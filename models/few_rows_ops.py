@@ -12,13 +12,12 @@ from .ops import (ForwardContext, LatentAttentionShape, TritonOps, _composed_nor
 class FewRowsOps(TritonOps):
     """The Triton set, plus a decoder layer's norm and the projection after it, and a gated MLP's
     activation and down projection, each in one kernel in a step of a few rows (``kernels.gemv``'s
-    ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of experts with the
-    norm before it in three (the router's product with the routing, ``kernels.moe_route``'s
-    :func:`router_route`; ``kernels.skinny_moe``'s two), and
-    latent attention at one token in three (``kernels.latent_heads``: the rotary and cache write
-    beside ``W_UK``'s product, the attention, its splits merged inside ``W_UV``'s product): at
-    batch 1 the step is a few hundred small kernels, and each one less saves its launch gap inside
-    the CUDA graph."""
+    ``routed_rows()``; the GPU runner's ``skinny_gemv`` and ``skinny_rows`` options), a mixture of
+    experts with the norm before it in three (the router's product with the routing,
+    ``kernels.moe_route.router_route``; ``kernels.skinny_moe``'s two), and latent attention at one
+    token in three (``kernels.latent_heads``: the rotary and cache write beside ``W_UK``'s product,
+    the attention, its splits merged inside ``W_UV``'s product): at batch 1 the step is a few
+    hundred small kernels, and each one less saves its launch gap inside the CUDA graph."""
 
     name = "triton-few-rows"
 
