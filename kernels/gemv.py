@@ -208,6 +208,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def prefetch_lines(weight: torch.Tensor, k_per_split: int, block_n: int, launch: dict[str, bool]) -> int:
+    """``program_slice``'s ``PREFETCH`` for a launch of ``launch``'s options over ``weight``: the L2
+    lines of a program's slice of a weight row it asks for before its wait, a power of two, at
+    most 2,048 requests a program; 0 without PDL or for weights past the prefetch budget."""
+    if not launch["PDL"] or weight.numel() * weight.element_size() > pdl.prefetch_budget(weight.device):
+        return 0
+    line = pdl.LINE_BYTES // weight.element_size()
+    return min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   tile: tuple[int, int, int] | None = None, block_n: int | None = None, split: int | None = None,
                   num_sms: int | None = None, dot: bool | None = None) -> torch.Tensor:
@@ -294,10 +304,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     norm_weight, eps, new_residual = norm if norm is not None else (weight, 0.0, x2)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     launch = pdl.launch_options(x2.device)
-    prefetch = 0  # L2 lines a weight row, a power of two, at most 2,048 requests a program
-    if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(x2.device):
-        line = pdl.LINE_BYTES // weight.element_size()
-        prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
+    prefetch = prefetch_lines(weight, k_per_split, block_n, launch)
     by_last = not dot and split > 1 and last_sums.enabled() and triton.cdiv(n, block_n) <= last_sums.MAX_COUNTS
     if dot:
         rows_dot(x2, residual, norm_weight, new_residual, weight, bias, target, k_per_split, eps, pre, split,

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from . import last_sums, pdl
-from .gemv import _input_chunk
+from .gemv import _input_chunk, prefetch_lines
 from .last_sums import arrive
 from .pdl import wait_previous
 from .rows_dot import program_slice
@@ -229,15 +229,13 @@ def router_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     ids = torch.empty(1, picks, dtype=torch.int32, device=device)
     parts = torch.empty(split, experts, dtype=torch.float32, device=device)
     launch = pdl.launch_options(device)
-    prefetch, line = 0, pdl.LINE_BYTES // weight.element_size()
-    if launch["PDL"] and weight.numel() * weight.element_size() <= pdl.prefetch_budget(device):
-        prefetch = min(triton.next_power_of_2(triton.cdiv(k_per_split, line)), max(1, 2048 // block_n))
+    prefetch = prefetch_lines(weight, k_per_split, block_n, launch)
     grid = (triton.cdiv(experts, block_n), split)
     _router_kernel[grid](
         x, residual.contiguous() if residual is not None else x, norm_weight, summed, weight, parts,
         last_sums.counts(device), bias if bias is not None else parts, weights, ids, hidden, k_per_split, eps, scale,
         **constants, HAS_RES=residual is not None, SPLIT=split, PROGRAMS=grid[0] * split, BLOCK_N=block_n,
-        BLOCK_K=block_k, STATS_BLOCK=min(stats_block, triton.next_power_of_2(hidden)), PREFETCH=prefetch, LINE=line,
-        num_warps=warps, num_stages=stages, **launch,
+        BLOCK_K=block_k, STATS_BLOCK=min(stats_block, triton.next_power_of_2(hidden)), PREFETCH=prefetch,
+        LINE=pdl.LINE_BYTES // weight.element_size(), num_warps=warps, num_stages=stages, **launch,
     )
     return weights, ids, summed

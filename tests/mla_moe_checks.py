@@ -312,6 +312,8 @@ ROUTE_CASES = [
 def check_moe_route(device: str, dtype: torch.dtype) -> None:
     """The kernel picks the reference's experts (as sets) with the reference's weights. Routing is
     float32 whatever the model's dtype, so only the float32 run checks anything."""
+    from specloop.models.ops import route_options
+
     if dtype != torch.float32:
         return
     for moe in ROUTE_CASES:
@@ -320,11 +322,8 @@ def check_moe_route(device: str, dtype: torch.dtype) -> None:
         want_w, want_ids = reference_route(logits, bias, moe)
         def route(logits: torch.Tensor, moe: MoEConfig = moe, bias: torch.Tensor | None = bias) -> list[torch.Tensor]:
             to = lambda t: t.to(device) if t is not None else None  # noqa: E731
-            return [t.cpu() for t in moe_route_kernel(
-                to(logits), to(bias), moe.top_k, moe.num_shared_experts, softmax=moe.scoring == "softmax",
-                num_groups=moe.num_groups if moe.topk_method != "greedy" else 1, topk_groups=moe.topk_groups,
-                group_by_top2=moe.topk_method == "noaux_tc", renormalize=moe.norm_topk_prob,
-                scale=moe.routed_scaling_factor)]
+            return [t.cpu() for t in moe_route_kernel(to(logits), to(bias), moe.top_k, moe.num_shared_experts,
+                                                      **route_options(moe))]
 
         got_w, got_ids = route(logits)
         for t in range(logits.shape[0]):
@@ -348,6 +347,7 @@ def check_router_route(device: str, dtype: torch.dtype) -> None:
     from specloop.kernels.gemv import skinny_norm_linear
     from specloop.kernels.last_sums import counts
     from specloop.kernels.moe_route import ROUTER_TILE, router_route
+    from specloop.models.ops import route_options
 
     torch.manual_seed(0)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -357,10 +357,9 @@ def check_router_route(device: str, dtype: torch.dtype) -> None:
         nw = (torch.rand(hidden, device=device) + 0.5).to(dtype)
         w = torch.randn(moe.num_experts, hidden, device=device) / 4
         bias = torch.randn(moe.num_experts, device=device) * 0.3 if moe.topk_method == "noaux_tc" else None
-        options = dict(softmax=moe.scoring == "softmax", num_groups=moe.num_groups if moe.topk_method != "greedy" else 1,
-                       topk_groups=moe.topk_groups, group_by_top2=moe.topk_method == "noaux_tc",
-                       renormalize=moe.norm_topk_prob, scale=moe.routed_scaling_factor)
-        for residual, tile in ((r, ROUTER_TILE), (None, ROUTER_TILE), (r, (4, 1, 32, 4, 2, 32)), (r, (1, 4, 16, 2, 2, 64))):
+        options = route_options(moe)
+        for residual, tile in ((r, ROUTER_TILE), (None, ROUTER_TILE), (r, (4, 1, 32, 4, 2, 32)),
+                               (r, (1, 4, 16, 2, 2, 64))):
             logits, want_sum = skinny_norm_linear(x, residual, nw, 1e-6, w, split=1, out_dtype=torch.float32)
             want_w, want_ids = moe_route_kernel(logits, bias, moe.top_k, moe.num_shared_experts, **options)
             got_w, got_ids, got_sum = router_route(x, residual, nw, 1e-6, w, bias, moe.top_k, moe.num_shared_experts,
@@ -369,7 +368,8 @@ def check_router_route(device: str, dtype: torch.dtype) -> None:
             want = dict(zip(want_ids[0].tolist(), want_w[0].tolist()))
             got = dict(zip(got_ids[0].tolist(), got_w[0].tolist()))
             assert want.keys() == got.keys(), (moe, dtype, tile, sorted(want), sorted(got))
-            assert all(abs(want[k] - got[k]) <= tol * max(1.0, abs(want[k])) for k in want), (moe, dtype, tile, want, got)
+            assert all(abs(want[k] - got[k]) <= tol * max(1.0, abs(want[k])) for k in want), (moe, dtype, tile, want,
+                                                                                              got)
             assert not counts(torch.device(device)).any(), "arrival count left non-zero"
     try:
         router_route(torch.randn(2, 8, device=device), None, torch.ones(8, device=device), 1e-6,
