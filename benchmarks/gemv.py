@@ -145,6 +145,9 @@ def time_moe(shape: str, calls: int, replays: int, sweep: dict[str, str] | None 
     return row
 
 
+ROUTER_SWEEP = "1,2,4:1,2,4,8:256,512:2,4:2:512,2048"  # the router tiles --router-shapes sweeps by default
+
+
 def time_router(shape: str, calls: int, replays: int, sweep: str) -> dict[str, Any]:
     """A MoE router of ``shape`` at one token with the norm before it (float32 weights, softmax
     routing as V2-Lite's): the router's few-rows product then the routing kernel, against the two
@@ -310,8 +313,9 @@ def main() -> None:
                         "optional ': groups list' (programs over a token's picks; 1 the default) ('' for none)")
     parser.add_argument("--moe-tokens", default="1", help="tokens a MoE call, a list (the sweep runs at the first)")
     parser.add_argument("--router-shapes", default="", help="MoE routers to time at one token ('' for none)")
-    parser.add_argument("--router-sweep", default="1,2,4:1,2,4,8:256,512:2,4:2:512,2048",
-                        help="router_route tiles: block_n:split:block_k:warps:stages:stats_block lists")
+    parser.add_argument("--router-sweep", default=None,
+                        help="router_route tiles: block_n:split:block_k:warps:stages:stats_block lists (default "
+                             f"{ROUTER_SWEEP}; '' for none)")
     parser.add_argument("--mla-shapes", default="", help="shapes whose latent attention to time ('' for none)")
     parser.add_argument("--mla-contexts", default="160,1024,4096")
     parser.add_argument("--attention-shapes", default="", help="shapes whose paged attention to time ('' for none)")
@@ -323,6 +327,8 @@ def main() -> None:
     parser.add_argument("--skip-linear", action="store_true", help="only the MoE and MLA timings")
     parser.add_argument("--smoke", action="store_true", help="check the script on the CPU (no timing)")
     args = parser.parse_args()
+    if args.router_sweep is not None and not args.router_shapes:
+        parser.error("--router-sweep sweeps the routers of --router-shapes, and none is given")
     pdl.set_enabled(args.pdl)
     if args.smoke:
         x = torch.randn(2, 256, dtype=torch.float32)
@@ -387,7 +393,8 @@ def main() -> None:
             results.append(time_moe(shape, args.calls, args.replays, sweep if i == 0 else None, tokens))
         torch.cuda.empty_cache()
     for shape in filter(None, args.router_shapes.split(",")):
-        results.append(time_router(shape, args.calls, args.replays, args.router_sweep))
+        results.append(time_router(shape, args.calls, args.replays,
+                                   ROUTER_SWEEP if args.router_sweep is None else args.router_sweep))
     for shape in filter(None, args.mla_shapes.split(",")):
         results += time_mla(shape, [int(c) for c in args.mla_contexts.split(",")], args.calls, args.replays)
     for shape in filter(None, args.attention_shapes.split(",")):
