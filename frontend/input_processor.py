@@ -103,7 +103,9 @@ class InputProcessor:
 
     def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         """Start compiling the request's grammar (in the engine's cache, off this thread); the
-        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused."""
+        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused. A dict of
+        :class:`StructuredOutputsParams`' fields is taken as the params."""
+        params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.structured_outputs is None:
             return None
         if self.structured_output is None:

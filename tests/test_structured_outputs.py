@@ -132,6 +132,26 @@ def test_invalid_constraints_are_refused_and_the_engine_lives_on(llm):
     assert out[0].outputs[0].text[:6].replace("-", "").isdigit() and out[0].outputs[0].text[3] == "-"
 
 
+async def test_the_async_engine_takes_a_dict_of_fields_too():
+    """``AsyncEngine.generate`` compiles the grammar before it validates the rest: a dict of the
+    params' fields is taken there as ``LLM.generate`` takes it, and an unknown field is a
+    ``ValueError`` naming it, not an ``AttributeError``."""
+    from specloop import AsyncEngine
+
+    engine = AsyncEngine.from_engine_args(device="cpu", max_model_len=256)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs={"regex": "[0-9]{3}-[0-9]{2}"})
+        outs = [o async for o in engine.generate("x", params, "a")]
+        text = outs[-1].outputs[0].text
+        assert text[:3].isdigit() and text[3] == "-" and text[4:6].isdigit()
+        with pytest.raises(ValueError, match="unknown fields.*'regexp'"):
+            bad = SamplingParams(structured_outputs={"regexp": "[0-9]+"})
+            [o async for o in engine.generate("x", bad, "b")]
+        assert engine.is_running
+    finally:
+        await engine.shutdown()
+
+
 def _json_params(temperature: float, **kw) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=120, seed=7,
                           structured_outputs=StructuredOutputsParams(json=SCHEMA), **kw)
