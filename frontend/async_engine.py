@@ -58,6 +58,7 @@ class AsyncEngine:
         self.vocab_size: int = built.vocab_size
         self.processor = built.processor
         self.generation_defaults = built.generation_defaults
+        self.plugins: PluginManager = built.plugins  # this process's (routes, tool parsers)
         self.async_core: AsyncEngineCore | EngineProcessClient = (
             client if client is not None else AsyncEngineCore(built.core, step_in_thread=step_in_thread))
         self.stats = EngineStats()

@@ -102,6 +102,7 @@ class DataParallelEngine:
         self.vocab_size = first.vocab_size
         self.processor = first.processor  # every replica parses, checks and tokenizes alike
         self.generation_defaults = first.generation_defaults
+        self.plugins = first.plugins
         self.router = Router(len(self.replicas), first.config.block_size,
                              min(r.config.num_kv_blocks or 0 for r in self.replicas), max_imbalance)
         self._owner: dict[str, int] = {}

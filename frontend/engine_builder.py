@@ -60,6 +60,8 @@ class BuiltEngine:
     processor: InputProcessor  # holds the engine's EOS ids and puts them on every request
     model_name: str
     vocab_size: int
+    # This process's plugins (the core's when it runs here): the server's routes and tool parsers.
+    plugins: PluginManager
     # The model's generation_config.json sampling defaults (SamplingParams fields), unless turned off.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -100,7 +102,7 @@ def build_engine(config: EngineConfig, plugins: PluginManager | None = None,
     if config.generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {config.generation_config!r}")
     defaults = read_generation_defaults(config.model) if config.generation_config == "auto" else {}
-    return BuiltEngine(config, core, tokenizer, processor, model_name(config), vocab_size, defaults)
+    return BuiltEngine(config, core, tokenizer, processor, model_name(config), vocab_size, plugins, defaults)
 
 
 def freeze_heap() -> None:

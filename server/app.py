@@ -87,9 +87,9 @@ def build_app(engine: Any, *, served_model_name: str | list[str] | None = None, 
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     if plugins is None:
-        core = getattr(engine, "core", None)
-        plugins = getattr(core, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
-    state = ServerState(engine, names or [engine.model_name], limits or ServerLimits(), requires_api_key=bool(api_key))
+        plugins = getattr(engine, "plugins", None) or PluginManager(disable=engine.config.disable_plugins)
+    state = ServerState(engine, names or [engine.model_name], limits or ServerLimits(), plugins,
+                        requires_api_key=bool(api_key))
     routes = [entry.load()(state) for entry in plugins.routes.entries()]
 
     @asynccontextmanager

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 from specloop.frontend.request_output import Logprob
+from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 
 from .errors import APIError, BadRequest, NotFound, from_value_error
@@ -59,9 +60,10 @@ class ServerState:
     """What every route needs: the engine, the served names, limits and metrics. Built once by
     :func:`~specloop.server.app.build_app`; ``inflight`` and ``draining`` change as requests come and go."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits, *,
+    def __init__(self, engine: Any, served_model_names: list[str], limits: ServerLimits, plugins: PluginManager, *,
                  requires_api_key: bool = False) -> None:
         self.engine = engine
+        self.plugins = plugins  # this process's: with the core in its own process, not the core's
         self.requires_api_key = requires_api_key  # what the API description says
         self.served_model_names = served_model_names
         self.limits = limits
@@ -180,7 +182,7 @@ class ServerState:
     def tool_parser(self) -> Any:
         """The parser ``tool_choice: "auto"`` reads tool calls with (``--tool-call-parser``)."""
         if self._tool_parser is None:
-            self._tool_parser = self.engine.core.plugins.tool_parsers.create(self.engine.config.tool_call_parser)
+            self._tool_parser = self.plugins.tool_parsers.create(self.engine.config.tool_call_parser)
         return self._tool_parser
 
     def token_bytes(self, token_id: int) -> bytes:

@@ -88,6 +88,12 @@ def test_two_replicas_behind_one_endpoint(dp_server: Any) -> None:
     metrics = scrape(srv.url)
     assert metrics["specloop:prompt_tokens_total"] >= 8 * 5
     assert httpx.get(srv.url + "/health").status_code == 200
+    # Tool calls are read by this process's parser (the replicas' cores are not the server's).
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "auto",
+        "max_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 def test_a_shared_prefix_goes_back_to_its_replica(dp_server: Any) -> None:

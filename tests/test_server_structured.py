@@ -31,10 +31,13 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 MESSAGES = [{"role": "user", "content": "Describe a thing as JSON."}]
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "process"])
 def server(request: Any) -> Any:
+    """The engine in this process, with and without drafts, and in its own process as ``specloop
+    serve`` runs it (grammars and tool calls are then read apart from the core)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if request.param == "ngram" else None
-    engine = AsyncEngine.from_engine_args(None, device="cpu", max_model_len=512, speculative_config=spec)
+    engine = AsyncEngine.from_engine_args(None, device="cpu", max_model_len=512, speculative_config=spec,
+                                          engine_process=request.param == "process")
     with ServerThread(build_app(engine)) as srv:
         yield srv
 
@@ -128,6 +131,12 @@ def test_a_tool_round_trip_is_accepted(client: openai.OpenAI) -> None:
     messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'})
     r = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=8)
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # "auto" (the default with tools): the server's tool-call parser reads the text, streamed or not.
+    for stream in (False, True):
+        r = client.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER], tool_choice="auto",
+                                           max_tokens=8, temperature=0.0, stream=stream)
+        finish = ([c.choices[0].finish_reason for c in r if c.choices] if stream else [r.choices[0].finish_reason])[-1]
+        assert finish in ("stop", "length", "tool_calls")
 
 
 def test_client_details(server: ServerThread, client: openai.OpenAI) -> None:
