@@ -185,8 +185,11 @@ class StructuredOutputs:
             refused = [not self.backend.accept(m, tokens) for _, m, tokens in advance]
         for (rid, _, tokens), bad in zip(advance, refused):
             if bad:
-                # Only a token the mask allowed is sampled; this means a backend bug, not bad input.
-                logger.error("request %s: the grammar refused committed tokens %s", rid, tokens)
+                # The mask allows only what the grammar does, so either every token was masked (the
+                # request's allowed_token_ids, bad_words or min_tokens left none the grammar allows:
+                # the sampler then takes token 0) or the backend disagrees with its own mask.
+                logger.warning("request %s: the grammar refused committed tokens %s (its other constraints may "
+                               "leave no token the grammar allows)", rid, tokens)
         for out in outputs.outputs:
             if out.finished:
                 self._forget(out.req_id)

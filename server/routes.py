@@ -109,7 +109,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     req, model, inputs, prompt_only = await state.off_loop(_prepare_completion, state, body)
     common = req.common
     await check_grammar(state, inputs[0].params, common.constraint_param)
-    request_id = common.request_id or responses.new_id("cmpl")
+    request_id = state.request_id(common.request_id, "cmpl")
     ctx = CompletionContext(request_id, responses.now(), model, req.echo, req.logprobs, req.include_usage,
                             prompt_only=prompt_only, token_text=token_id_text if common.return_tokens_as_token_ids
                             else None, prompt_logprobs=common.prompt_logprobs is not None)
@@ -164,7 +164,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req, model, prompt = await state.off_loop(_prepare_chat, state, body)
     common = req.common
     await check_grammar(state, prompt.params, common.constraint_param)
-    request_id = common.request_id or responses.new_id("chatcmpl")
+    request_id = state.request_id(common.request_id, "chatcmpl")
     parser = state.tool_parser() if req.tools.choice == "auto" else None
     extras = chat.ChatExtras(chat.ToolOutput(req.tools.choice, req.tools.named, parser), chat.echo_prefix(req),
                              common.prompt_logprobs is not None)

@@ -16,6 +16,7 @@ from specloop.frontend.request_output import Logprob
 from specloop.kernel.plugins import PluginManager
 from specloop.kernel.sampling_params import SamplingParams
 
+from . import responses
 from .errors import APIError, BadRequest, NotFound, from_value_error
 from .metrics import ServerMetrics
 
@@ -24,6 +25,8 @@ T = TypeVar("T")
 
 class InFlight(Protocol):
     """A generation the server can cancel (on shutdown); :class:`specloop.server.serving.Generation`."""
+
+    request_id: str
 
     async def cancel(self) -> None: ...
 
@@ -91,6 +94,15 @@ class ServerState:
         if model not in self.served_model_names:
             raise NotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
+
+    def request_id(self, given: str | None, prefix: str) -> str:
+        """The response's id: the client's ``request_id`` (refused while a request of that id is
+        still in flight, before any stream starts), else a new one."""
+        if given is None:
+            return responses.new_id(prefix)
+        if any(g.request_id == given for g in self.inflight):
+            raise BadRequest(f"request_id {given!r} is in use by a request still in flight.", param="request_id")
+        return given
 
     def check_n(self, n: int) -> None:
         if n > self.limits.max_n:

@@ -122,6 +122,29 @@ async def test_dropped_streams_are_aborted_and_free_their_blocks(server: ServerT
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+async def test_a_request_id_in_flight_is_refused_before_any_stream_starts(server: ServerThread) -> None:
+    """A client's ``request_id`` names one request at a time: a second one with it, while the
+    first streams, is a 400 naming the field (not a 200 whose stream carries the error); once the
+    first has finished the id is free again."""
+    first = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 40, "ignore_eos": True, "stream": True,
+             "request_id": "mine"}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", server.url + C, json=first) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            for stream in (True, False):
+                r = await client.post(server.url + C, json={**first, "max_tokens": 2, "stream": stream})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "request_id" and "'mine'" in r.json()["error"]["message"]
+            rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        r = await client.post(server.url + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "mine"})
+        assert r.status_code == 200 and r.json()["id"] == "mine"
+
+
 def test_non_streaming_client_that_gives_up_is_aborted(server: ServerThread) -> None:
     aborts_before = scrape(server.url).get("specloop:request_success_total{finished_reason=abort}", 0)
     with pytest.raises(httpx.ReadTimeout):
