@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -108,9 +108,14 @@ class ModelRunner:
         self.platform = platform
         self.tp = tp  # this runner's rank of a tensor-parallel group (backends.distributed), or the only one
         self.device = resolve_device(config.device)
+        # Overlapping on a thread, all torch work runs on the worker, loading included: a second
+        # thread with parallel CPU work gets intra-op threads of its own (steps ~3x slower).
+        overlaps = platform.overlap == "thread" and self._resolve_async_scheduling()
+        self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "specloop-runner") if overlaps else None
         # What this process held before this engine: another engine of the same process is not ours.
         self.memory_baseline = kv_memory.allocated(self.device)
-        self.model, self.model_config = load_model(config.model, plugins.models, self.device, config.dtype, tp)
+        self.model, self.model_config = self._on_worker(load_model, config.model, plugins.models, self.device,
+                                                        config.dtype, tp)
         self.dtype: torch.dtype = next(self.model.parameters()).dtype
         self.vocab_size = self.model_config.vocab_size
         mc: ModelConfig = self.model_config
@@ -125,10 +130,9 @@ class ModelRunner:
         self.executed: ExecutedStep | None = None
         self._drafts: DraftTokenIds | None = None
         # Asynchronous scheduling: the next step is planned and launched before this one's tokens
-        # are committed. Resolved by the engine (EngineConfig.async_scheduling); a CPU runner
-        # overlaps on a worker thread, a CUDA one through the device's stream.
+        # are committed (EngineConfig.async_scheduling); a CPU runner overlaps on the worker thread,
+        # a CUDA one through the device's stream.
         self.async_scheduling = False
-        self._worker: ThreadPoolExecutor | None = None
         self._executing: Future[None] | None = None
         self._pending: PendingOutput | None = None
         self._launched: SchedulerOutput | None = None  # the plan execute_model launched last
@@ -164,8 +168,14 @@ class ModelRunner:
 
     # --- setup --------------------------------------------------------------------------------
 
+    def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._worker.submit(fn, *args).result() if self._worker is not None else fn(*args)
+
     def initialize(self) -> int:
         """Build the proposer and the parts, size and allocate the KV cache; returns its blocks."""
+        return self._on_worker(self._initialize)
+
+    def _initialize(self) -> int:
         spec = self.config.speculative_config
         if spec is not None:
             proposer = self.plugins.proposers.create(spec.method, config=self.config, context=self.proposer_context())
@@ -199,8 +209,6 @@ class ModelRunner:
         self.async_scheduling = self._resolve_async_scheduling()
         if self.device.type == "cuda" and c.plugin_options.get("gpu", {}).get("device_timeline"):
             self.device_clock = DeviceClock(self.device)
-        if self.async_scheduling and self.platform.overlap == "thread":
-            self._worker = ThreadPoolExecutor(1, "specloop-runner")
         return num_blocks
 
     def _resolve_async_scheduling(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from typing import Any, Callable
@@ -181,16 +181,17 @@ class AsyncEngineCore:
     """Runs :class:`EngineCore` in a busy loop on the running asyncio (uvloop) event loop.
 
     Each request's output queue is registered before the request is enqueued (invariant 1). Steps
-    run on one worker thread when ``step_in_thread`` (the default), so the event loop keeps serving
-    HTTP during long steps; the scheduler is still only touched by one step at a time, and adds and
-    aborts that arrive during a step are drained after it.
+    run on one worker thread when ``step_in_thread`` (the default; ``executor``, one thread, if given:
+    the core's builder's), so the event loop keeps serving HTTP during long steps; the scheduler is
+    still only touched by one step at a time, and adds and aborts during a step are drained after it.
     """
 
-    def __init__(self, core: EngineCore, *, step_in_thread: bool = True) -> None:
+    def __init__(self, core: EngineCore, *, step_in_thread: bool = True,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.core = core
         self._input: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, "specloop-step") if step_in_thread else None
+        self._executor = executor or (ThreadPoolExecutor(1, "specloop-step") if step_in_thread else None)
         self._stopping = False
         self.errored: BaseException | None = None
         self._task: asyncio.Task[None] | None = None

@@ -28,8 +28,7 @@ BUILTIN_DISTRIBUTION = "specloop"
 DISABLE_ENV = "SPECLOOP_DISABLE_PLUGINS"
 
 COMPONENT_KINDS = ("schedulers", "kv_cache_policies", "attention_backends", "model_runners", "models",
-                   "proposers", "speculation_policies", "structured_output_backends", "tool_parsers",
-                   "routes")
+                   "proposers", "speculation_policies", "structured_output_backends", "tool_parsers", "routes")
 
 
 class UnknownComponentError(ValueError):

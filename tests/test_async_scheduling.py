@@ -279,3 +279,50 @@ def test_a_proposer_that_skips_steps_drafts_as_if_called_every_step(method):
             llm.core.shutdown()
     assert skipped[False] == 0 and skipped[True] > 10
     assert len(drafts[True]) > 10 and drafts[True] == drafts[False]
+
+
+def _thread_recorder(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
+    """Which threads load the model and run its forward (a CPU's intra-op threads are per calling
+    thread: a second thread with parallel work of its own makes every step ~3x slower)."""
+    import threading
+
+    from specloop.backends import runner as runner_module
+
+    seen: dict[str, set[int]] = {"load": set(), "forward": set()}
+    load = runner_module.load_model
+
+    def recording_load(*args, **kwargs):
+        seen["load"].add(threading.get_ident())
+        model, config = load(*args, **kwargs)
+        model.register_forward_pre_hook(lambda *_: seen["forward"].add(threading.get_ident()))
+        return model, config
+
+    monkeypatch.setattr(runner_module, "load_model", recording_load)
+    return seen
+
+
+def test_a_cpu_runner_that_overlaps_keeps_its_torch_work_on_its_worker(monkeypatch):
+    import threading
+
+    seen = _thread_recorder(monkeypatch)
+    llm = LLM(async_scheduling=True, **ENGINE)
+    try:
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.core.shutdown()
+    assert len(seen["load"]) == 1 and seen["forward"] == seen["load"]
+    assert threading.get_ident() not in seen["load"]
+
+
+async def test_an_async_engine_is_built_on_the_thread_that_steps_it(monkeypatch):
+    import threading
+
+    seen = _thread_recorder(monkeypatch)
+    engine = AsyncEngine.from_engine_args(**ENGINE)
+    try:
+        outs = [o async for o in engine.generate(PROMPTS[0], SamplingParams(max_tokens=4), "a")]
+        assert outs[-1].finished
+    finally:
+        await engine.shutdown()
+    assert len(seen["load"]) == 1 and seen["forward"] == seen["load"]
+    assert threading.get_ident() not in seen["load"]
