@@ -137,6 +137,9 @@ class TensorParallelRunner:
     by sending each call to the other ranks and running it on its own shard (``local``)."""
 
     def __init__(self, config: EngineConfig, plugins: PluginManager, platform: Platform) -> None:
+        if config.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 (the ranks step in "
+                             "lockstep, each plan committed before the next); leave it unset or turn it off")
         size = config.tensor_parallel_size
         self.failure: str | None = None
         self._closing = False

@@ -110,7 +110,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         # Overlapping on a thread, all torch work runs on the worker, loading included: a second
         # thread with parallel CPU work gets intra-op threads of its own (steps ~3x slower).
-        overlaps = platform.overlap == "thread" and self._resolve_async_scheduling()
+        overlaps = self._resolve_async_scheduling() and platform.overlap == "thread"
         self._worker: ThreadPoolExecutor | None = ThreadPoolExecutor(1, "specloop-runner") if overlaps else None
         # What this process held before this engine: another engine of the same process is not ours.
         self.memory_baseline = kv_memory.allocated(self.device)
@@ -212,12 +212,12 @@ class ModelRunner:
         return num_blocks
 
     def _resolve_async_scheduling(self) -> bool:
-        """On by default on CUDA. With speculative decoding a step that neither verifies nor
-        proposes drafts overlaps as any; a greedy verification on a platform with
-        ``late_verification`` too, read a step late (:meth:`_sample`); other steps with drafts are
-        committed before the next is planned, which needs their accepted counts."""
+        """On by default on CUDA with one rank (tensor-parallel ranks step in lockstep). With drafts,
+        a step that neither verifies nor proposes overlaps as any; a greedy verification on a
+        platform with ``late_verification`` too, read a step late (:meth:`_sample`); other steps
+        with drafts are committed before the next is planned, which needs their accepted counts."""
         wanted = self.config.async_scheduling
-        return self.device.type == "cuda" if wanted is None else bool(wanted)
+        return self.device.type == "cuda" and self.tp.size == 1 if wanted is None else bool(wanted)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block costs across the target's layers and the proposer's, if it keeps a cache."""

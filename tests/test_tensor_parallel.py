@@ -15,6 +15,7 @@ import torch
 from hf_models import build, prompts, tiny
 
 from specloop.backends.distributed import WorkerFailedError
+from specloop.backends.runner import ModelRunner
 from specloop.backends.scripted import ScriptedModelRunner
 from specloop.backends.shared_tokens import BroadcastSampledTokens, ReceiveSampledTokens
 from specloop.backends.sampling_stage import SampleResult
@@ -72,6 +73,20 @@ def test_tp2_tokens_match_tp1_and_transformers(tmp_path: Any, shutdown: Any, nam
     assert tokens(two, batch, seeded) == tokens(one, batch, seeded)
     runner = two.core.runner
     assert runner.local.model_config.num_kv_heads == 1 and len(runner.workers) == 1
+
+
+def test_async_scheduling_is_refused_across_ranks_and_off_by_default() -> None:
+    """The ranks step in lockstep, each plan committed before the next: asking for asynchronous
+    scheduling is refused by name before any rank starts; left unset it resolves off (on a GPU too,
+    where a lone rank's default is on)."""
+    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor_parallel_size > 1"):
+        LLM(tiny("llama").path, **ENGINE, tensor_parallel_size=2, async_scheduling=True)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.config, runner.device = EngineConfig(async_scheduling=None), torch.device("cuda")
+    runner.tp = TensorParallel(rank=1, size=2)
+    assert runner._resolve_async_scheduling() is False
+    runner.tp = TensorParallel()
+    assert runner._resolve_async_scheduling() is True
 
 
 def test_each_rank_reads_only_its_slices(tmp_path: Any, monkeypatch: Any) -> None:
