@@ -77,8 +77,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_engine(model_dir: str, plugins: PluginManager | None = None, **overrides: Any) -> AsyncEngine:
-    return AsyncEngine(engine_config(model_dir, **overrides), plugins)
+def make_engine(model_dir: str, plugins: PluginManager | None = None, engine_process: bool = False,
+                **overrides: Any) -> AsyncEngine:
+    return AsyncEngine(engine_config(model_dir, **overrides), plugins, engine_process=engine_process)
 
 
 class ServerThread:

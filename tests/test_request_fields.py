@@ -44,9 +44,10 @@ NEEDS = {"top_logprobs": {"logprobs": True}, "stream_options": {"stream": True},
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_regex", "guided_choice", "guided_grammar")
 
 
-@pytest.fixture(scope="module")
-def server() -> Any:
-    with ServerThread(build_app(make_engine(tiny_model_dir()))) as srv:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request: Any) -> Any:
+    engine = make_engine(tiny_model_dir(), engine_process=request.param == "engine-process")
+    with ServerThread(build_app(engine)) as srv:
         yield srv
 
 

@@ -36,9 +36,12 @@ class HelloRoute:
         register("hello", factory)
 
 
-@pytest.fixture(scope="module")
-def server() -> Any:
-    engine = make_engine(tiny_model_dir(), plugins=PluginManager([HelloRoute()]))
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request: Any) -> Any:
+    """The engine in this process, and in its own (``specloop serve``'s default), where the routes,
+    tokenization and output processing still run here."""
+    engine = make_engine(tiny_model_dir(), plugins=PluginManager([HelloRoute()]),
+                         engine_process=request.param == "engine-process")
     with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
         yield srv
 

@@ -22,9 +22,10 @@ MODEL = "tiny"
 BAD = "invalid_request_error"
 
 
-@pytest.fixture(scope="module")
-def server() -> Any:
-    with ServerThread(build_app(make_engine(tiny_model_dir()), served_model_name=MODEL)) as srv:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request: Any) -> Any:
+    engine = make_engine(tiny_model_dir(), engine_process=request.param == "engine-process")
+    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
         yield srv
 
 

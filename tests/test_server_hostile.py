@@ -26,10 +26,11 @@ AUTH = {"Authorization": "Bearer sekret"}
 STALL = 1.0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request: Any) -> Iterator[ServerThread]:
     connections = ConnectionLimits(header_timeout=0.5, body_timeout=0.5, max_connections=24)
-    app = build_app(make_engine(tiny_model_dir()), served_model_name=MODEL, api_key="sekret")
+    engine = make_engine(tiny_model_dir(), engine_process=request.param == "engine-process")
+    app = build_app(engine, served_model_name=MODEL, api_key="sekret")
     with ServerThread(app, connections) as srv:
         yield srv
 
