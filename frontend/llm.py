@@ -7,7 +7,7 @@ are finished, return the outputs in input order.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -87,6 +87,9 @@ class LLM:
     def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
+        if not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
+            raise ValueError(f"prompts must be text, token ids, a prompt dict or a list of them, got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             return [prompts]  # one prompt given as token ids
@@ -99,7 +102,11 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = list(sampling_params) if isinstance(sampling_params, Iterable) and not isinstance(
+                sampling_params, (str, bytes, dict)) else [sampling_params]
+            if not all(isinstance(p, SamplingParams) for p in params_list):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                 f"{type(sampling_params).__name__}")
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         parsed = []

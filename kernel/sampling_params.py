@@ -84,9 +84,9 @@ class SamplingParams:
         check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
               f"must be in (0, 2], got {self.repetition_penalty}.")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", f"must be at least 1, got {self.max_tokens!r}.")
+              "max_tokens", f"must be an integer of at least 1, got {self.max_tokens!r}.")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-              f"must be >= 0, got {self.min_tokens!r}.")
+              f"must be an integer >= 0, got {self.min_tokens!r}.")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),

@@ -87,6 +87,15 @@ def test_bad_input_raises_before_anything_is_enqueued(llm):
         llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate(["a"], SamplingParams(temperature=-1.0), use_tqdm=False)
+    # Wrong kinds of argument are named, not an AttributeError deep inside.
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        llm.generate(["a"], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params .* got list"):
+        llm.generate(["a", "b"], [SamplingParams(), None], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be .* got int"):
+        llm.generate(5, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens must be an integer of at least 1, got 2.0"):
+        SamplingParams(max_tokens=2.0)
     assert llm.get_metrics()["num_requests_added"] == before
     assert not llm.core.has_unfinished_requests()
     # The engine still serves.
