@@ -31,6 +31,11 @@ def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
 
+def check_params(params: Any) -> None:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+
+
 class InputProcessor:
     """Shared by :class:`~specloop.frontend.llm.LLM` and :class:`~specloop.frontend.async_engine.AsyncEngine`.
 
@@ -105,6 +110,7 @@ class InputProcessor:
         """Start compiling the request's grammar (in the engine's cache, off this thread); the
         future's ``result()`` raises ``ValueError`` naming what the grammar engine refused. A dict of
         :class:`StructuredOutputsParams`' fields is taken as the params."""
+        check_params(params)
         params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.structured_outputs is None:
             return None
@@ -114,8 +120,7 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        check_params(params)
         params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             if self.tokenizer is None:

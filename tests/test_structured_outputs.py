@@ -147,6 +147,8 @@ async def test_the_async_engine_takes_a_dict_of_fields_too():
         with pytest.raises(ValueError, match="unknown fields.*'regexp'"):
             bad = SamplingParams(structured_outputs={"regexp": "[0-9]+"})
             [o async for o in engine.generate("x", bad, "b")]
+        with pytest.raises(ValueError, match="sampling params must be a SamplingParams, got dict"):
+            [o async for o in engine.generate("x", {"max_tokens": 2}, "c")]
         assert engine.is_running
     finally:
         await engine.shutdown()
