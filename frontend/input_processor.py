@@ -108,15 +108,34 @@ class InputProcessor:
 
     def compile_grammar(self, params: SamplingParams) -> concurrent.futures.Future[Any] | None:
         """Start compiling the request's grammar (in the engine's cache, off this thread); the
-        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused. A dict of
-        :class:`StructuredOutputsParams`' fields is taken as the params."""
+        future's ``result()`` raises ``ValueError`` naming what the grammar engine refused, or when
+        ``allowed_token_ids`` holds no token the grammar allows first (the request could only
+        sample tokens it forbids). A dict of :class:`StructuredOutputsParams`' fields is taken as
+        the params."""
         check_params(params)
         params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.structured_outputs is None:
             return None
-        if self.structured_output is None:
+        manager = self.structured_output
+        if manager is None:
             raise ValueError("structured_outputs: this engine has no structured-output backend")
-        return self.structured_output.compile(params.structured_outputs, self.eos_token_ids)
+        compiled = manager.compile(params.structured_outputs, self.eos_token_ids)
+        allowed, allows_first = params.allowed_token_ids, getattr(manager, "allows_first", None)
+        if not allowed or allows_first is None:
+            return compiled
+        checked: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def check(done: concurrent.futures.Future[Any]) -> None:
+            try:
+                if not allows_first(done.result(), allowed):
+                    raise ValueError("allowed_token_ids holds no token the structured_outputs grammar allows "
+                                     "first: every token the request could sample is one the grammar forbids")
+                checked.set_result(done.result())
+            except BaseException as e:  # the compile error, or the check's
+                checked.set_exception(e)
+
+        compiled.add_done_callback(check)
+        return checked
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""

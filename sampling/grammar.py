@@ -108,6 +108,13 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return future
 
+    def allows_first(self, compiled: Any, token_ids: Sequence[int]) -> bool:
+        """Whether the grammar lets its first token be one of ``token_ids``."""
+        bitmask = np.full((1, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        self.backend.fill_bitmask(bitmask, [(self.backend.matcher(compiled), 0, [])])
+        ids = np.asarray([t for t in token_ids if 0 <= t < self.vocab_size], dtype=np.int64)
+        return bool(((bitmask[0].view(np.uint32)[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
+
     # --- the engine's calls (the step thread) ---------------------------------------------
 
     def add_request(self, request: Request) -> None:

@@ -83,7 +83,9 @@ def test_invalid_constraints_are_400_naming_the_field(client: openai.OpenAI) -> 
               "response_format"),
              ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
              ({"extra_body": {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}},
-              "structured_outputs")]
+              "structured_outputs"),
+             # no token the grammar allows first is allowed: refused before any stream starts
+             ({"extra_body": {"guided_choice": ["yes", "no"], "allowed_token_ids": [5, 6]}}, "guided_choice")]
     for kwargs, param in cases:
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as e:

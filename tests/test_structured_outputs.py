@@ -132,6 +132,18 @@ def test_invalid_constraints_are_refused_and_the_engine_lives_on(llm):
     assert out[0].outputs[0].text[:6].replace("-", "").isdigit() and out[0].outputs[0].text[3] == "-"
 
 
+def test_allowed_token_ids_the_grammar_never_allows_first_are_refused(llm):
+    """Every token such a request could sample would be one its grammar forbids (it used to sample
+    token 0 and log the grammar's refusal); one the grammar allows first is served, constrained."""
+    choice = {"choice": ["yes please", "no thanks"]}
+    first = [_ids("yes please")[0], _ids("no thanks")[0]]
+    with pytest.raises(ValueError, match="allowed_token_ids holds no token the structured_outputs grammar allows"):
+        llm.generate("x", SamplingParams(structured_outputs=choice, allowed_token_ids=[5, 6, 7]), use_tqdm=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=choice,
+                            allowed_token_ids=sorted(set(first + _ids("yes please") + _ids("no thanks"))))
+    assert llm.generate("x", params, use_tqdm=False)[0].outputs[0].text in ("yes please", "no thanks")
+
+
 async def test_the_async_engine_takes_a_dict_of_fields_too():
     """``AsyncEngine.generate`` compiles the grammar before it validates the rest: a dict of the
     params' fields is taken there as ``LLM.generate`` takes it, and an unknown field is a
