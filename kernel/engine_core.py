@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from .config import EngineConfig
