@@ -122,6 +122,43 @@ async def test_dropped_streams_are_aborted_and_free_their_blocks(server: ServerT
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+async def test_dropped_streams_free_their_blocks_with_the_engine_in_its_own_process() -> None:
+    """As above with ``specloop serve``'s default process split: a client that goes away mid-stream
+    has its request aborted in the engine process and every block freed. Without the pacing plugin
+    (plugin objects do not cross into that process) a request may finish between the client's last
+    read and its disconnect, so each one ends as an abort or at its length, most as aborts, and
+    the engine stops generating for them (its own token count)."""
+    n = 8
+    engine = make_engine(tiny_model_dir(), engine_process=True)
+    with ServerThread(build_app(engine, served_model_name=MODEL)) as srv:
+        def finished(reason: str) -> float:
+            return scrape(srv.url).get(f"specloop:request_success_total{{finished_reason={reason}}}", 0)
+
+        before = finished("abort"), finished("length"), scrape(srv.url)["specloop:generation_tokens_total"]
+
+        async def drop_after_two(client: httpx.AsyncClient, i: int) -> None:
+            body = {"prompt": [5 + i, 9, 14], "stream": True, "ignore_eos": True, "temperature": 0.0}
+            async with client.stream("POST", C, json=body) as r:
+                assert r.status_code == 200
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                    if len(events) == 2:
+                        break  # closes the connection mid-stream
+                assert "data: [DONE]" not in events
+
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            await asyncio.gather(*(drop_after_two(client, i) for i in range(n)))
+        assert await asyncio.to_thread(wait_until, lambda: idle(srv.url), 10.0)
+        aborted, at_length = finished("abort") - before[0], finished("length") - before[1]
+        generated = scrape(srv.url)["specloop:generation_tokens_total"] - before[2]
+        assert aborted + at_length == n and aborted >= n // 2
+        # The aborts reached the engine process: each request stopped a few tokens after its
+        # client left, not at its length (253 tokens each; ~5 each when measured).
+        assert generated <= n * 64
+
+
 async def test_a_request_id_in_flight_is_refused_before_any_stream_starts(server: ServerThread) -> None:
     """A client's ``request_id`` names one request at a time: a second one with it, while the
     first streams, is a 400 naming the field (not a 200 whose stream carries the error); once the
