@@ -32,8 +32,12 @@ def child_request_id(index: int, request_id: str) -> str:
 
 
 def check_params(params: Any) -> None:
+    """A request's params, checked for their kind, with a dict of ``structured_outputs`` fields
+    turned into :class:`StructuredOutputsParams` (``compile_grammar`` or ``validate``, whichever
+    a frontend calls first)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
 
 
 class InputProcessor:
@@ -113,7 +117,6 @@ class InputProcessor:
         sample tokens it forbids). A dict of :class:`StructuredOutputsParams`' fields is taken as
         the params."""
         check_params(params)
-        params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.structured_outputs is None:
             return None
         manager = self.structured_output
@@ -140,7 +143,6 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` for a request the model cannot serve; nothing is enqueued before this."""
         check_params(params)
-        params.structured_outputs = StructuredOutputsParams.from_any(params.structured_outputs)
         if params.bad_words and not params.bad_words_token_ids:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer, and this engine runs without one (skip_tokenizer_init)")
