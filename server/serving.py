@@ -112,6 +112,8 @@ class Generation:
                 raise from_value_error(error)
             elif error is not None:
                 raise EngineFailure(f"{type(error).__name__}: {error}")
+        # Every prompt has finished: the id is free before the stream's last chunk and [DONE] go out.
+        self.state.inflight.discard(self)
 
     def _abort_delta(self, i: int) -> RequestOutput:
         unfinished = [CompletionOutput(index=k, text="", token_ids=[], finish_reason="abort")
