@@ -264,6 +264,54 @@ def check_async_scheduling_matches_sync(device: str, dtype: str) -> None:
     assert outs["gpu"] == outs["torch"], (outs["gpu"], outs["torch"])
 
 
+def check_async_engine_matches_llm(device: str, dtype: str) -> None:
+    """An in-process :class:`AsyncEngine` builds its core on its step thread (CUDA graphs captured
+    and replayed there, asynchronous scheduling on): its greedy outputs equal the offline LLM's,
+    and the model was loaded on that thread, not the caller's."""
+    import asyncio
+    import threading
+
+    from specloop import LLM, AsyncEngine, SamplingParams
+    from specloop.backends import runner as runner_module
+
+    model = tiny("qwen3")
+    prompts_ = [p[:9] for p in prompts(4, seed=23, min_len=9, max_len=20)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    args = dict(model=model.path, device=device, dtype=dtype, skip_tokenizer_init=True, block_size=4,
+                num_kv_blocks=40, max_model_len=32)
+    llm = LLM(**args)
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts_], params,
+                                                        use_tqdm=False)]
+    llm.core.shutdown()
+    loaded: set[int] = set()
+    load = runner_module.load_model
+
+    def recording_load(*a, **k):
+        loaded.add(threading.get_ident())
+        return load(*a, **k)
+
+    async def run() -> list[list[int]]:
+        engine = AsyncEngine.from_engine_args(**args)
+        try:
+            assert engine.config.async_scheduling is (device == "cuda")
+
+            async def one(i: int, p: list[int]) -> list[int]:
+                outs = [o async for o in engine.generate(p, params, f"r{i}")]
+                return list(outs[-1].outputs[0].token_ids)
+
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts_)))
+        finally:
+            await engine.shutdown()
+
+    runner_module.load_model = recording_load
+    try:
+        got = asyncio.run(run())
+    finally:
+        runner_module.load_model = load
+    assert got == want, (got, want)
+    assert len(loaded) == 1 and threading.get_ident() not in loaded
+
+
 def check_spec_async_matches_sync(device: str, dtype: str) -> None:
     """n-gram drafts in runs (a scripted policy) on the gpu runner with asynchronous scheduling:
     the steps without drafts deferred and overlapped, those with drafts committed before the next

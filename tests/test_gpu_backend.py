@@ -97,6 +97,10 @@ def test_async_scheduling_matches_synchronous_torch_runner() -> None:
     rc.check_async_scheduling_matches_sync("cuda", "float32")
 
 
+def test_an_async_engine_in_this_process_matches_the_offline_engine() -> None:
+    rc.check_async_engine_matches_llm("cuda", "bfloat16")
+
+
 def test_drafts_in_runs_with_async_scheduling_match_synchronous_torch_runner() -> None:
     rc.check_spec_async_matches_sync("cuda", "float32")
 
