@@ -137,7 +137,9 @@ class AsyncEngine:
             logprobs); otherwise everything so far. The last output has ``finished=True``.
         :param cache_salt: mixed into the prefix-cache hash: only requests with the same salt share
             cached blocks.
-        :raises ValueError: invalid input, before anything is enqueued.
+        :raises ValueError: invalid input, before anything is enqueued; or the engine refused the
+            request while running it (its grammar failed to compile, or its other constraints left
+            no token the grammar allows).
         :raises EngineDeadError: the engine failed while serving the request.
 
         Cancelling the consuming task, or closing the generator early, aborts the request (all
@@ -175,8 +177,9 @@ class AsyncEngine:
                 to_abort = state.process(outs)
                 if to_abort:
                     self.async_core.abort(to_abort)
-                if state.error is not None and any(o.finish_reason == FinishReason.ERROR for o in outs):
-                    raise EngineDeadError(state.error)
+                failed = next((o for o in outs if o.error is not None), None)
+                if failed is not None:  # the engine failed, or refused this request (finished as aborted)
+                    raise (EngineDeadError if failed.finish_reason == FinishReason.ERROR else ValueError)(failed.error)
                 out = state.delta_output() if delta else state.output()
                 if out is not None:
                     yield out

@@ -1,10 +1,8 @@
-"""specloop's microkernel: the busy loop, request state machine, hookspecs, plugin manager and the
-typed contracts between components.
+"""specloop's microkernel: the busy loop, request state machine, hookspecs, plugin manager and the typed contracts
+between components.
 
-Not to be confused with ``specloop.kernels`` (plural), which holds the Triton GPU kernels. This
-package imports no torch and no model code, so it can be read in one sitting and tested without a
-model.
-"""
+Not to be confused with ``specloop.kernels`` (plural), which holds the Triton GPU kernels. This package imports no
+torch and no model code, so it can be read in one sitting and tested without a model."""
 
 from .config import EngineConfig, SpeculativeConfig
 from .engine_core import AsyncEngineCore, EngineCore, EngineDeadError

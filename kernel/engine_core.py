@@ -8,14 +8,13 @@
                               -> update_from_output -> commit grammars
       post_step               take_draft_token_ids -> update_draft_token_ids
 
-With asynchronous scheduling a step launches plan n+1 before it commits plan n: the scheduler
-counts the tokens plan n will sample as placeholders and schedules their successors, the runner
-feeds those successors from the device, and the host commits (stop checks, outputs) one step late,
-while the device already computes the next step. A request that stops at step n costs at most one
-wasted token of step n+1, whose output the scheduler drops. A step with drafts is committed before the next
-plan unless the runner reads it a step late (that plan assumes every draft accepted). While grammar-constrained requests
-run, plan n is committed right after plan n+1's forward is launched, so that plan n+1's masks see
-plan n's tokens; the host still works while the device computes.
+With asynchronous scheduling a step launches plan n+1 before it commits plan n: the scheduler counts the tokens plan n
+will sample as placeholders and schedules their successors, the runner feeds those successors from the device, and the
+host commits (stop checks, outputs) one step late, while the device already computes the next step. A request that
+stops at step n costs at most one wasted token of step n+1, whose output the scheduler drops. A step with drafts is
+committed before the next plan unless the runner reads it a step late (that plan assumes every draft accepted). While
+grammar-constrained requests run, plan n is committed right after plan n+1's forward is launched, so that plan n+1's
+masks see plan n's tokens; the host still works while the device computes.
 """
 
 from __future__ import annotations
@@ -146,7 +145,13 @@ class EngineCore:
         result = pending.result() if not isinstance(pending, ModelRunnerOutput) else pending
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(done, result)
-        self.structured_output.commit(outputs)  # grammars advance only by committed tokens
+        refused = self.structured_output.commit(outputs)  # grammars advance only by committed tokens
+        if refused:  # finished with the manager's error, without the step's tokens
+            self.scheduler.finish_requests(list(refused), RequestStatus.FINISHED_ABORTED)
+            for out in outputs.outputs:
+                if out.req_id in refused:
+                    out.new_token_ids, out.new_logprobs, out.finish_reason = [], None, FinishReason.ABORT
+                    out.error, out.stop_reason = refused[out.req_id], None
         outputs.outputs.extend(failed)
         t3 = time.perf_counter()
         self._emit_step_events(done, result, outputs,

@@ -1,9 +1,8 @@
 """The typed messages that cross component boundaries once per step.
 
-``SchedulerOutput`` is the immutable plan (scheduler -> model runner), ``ModelRunnerOutput`` the
-result of executing it (model runner -> scheduler), ``DraftTokenIds`` the proposals handed back in
-``post_step``, and ``EngineCoreOutputs`` what the engine emits to the frontend. Each plan pairs with
-exactly one result (invariant 3).
+``SchedulerOutput`` is the immutable plan (scheduler -> model runner), ``ModelRunnerOutput`` the result of executing
+it (model runner -> scheduler), ``DraftTokenIds`` the proposals handed back in ``post_step``, and
+``EngineCoreOutputs`` what the engine emits to the frontend. Each plan pairs with exactly one result (invariant 3).
 """
 
 from __future__ import annotations
@@ -42,10 +41,8 @@ class CachedRequestData:
 class SchedulerOutput:
     """One step's plan. Built by the scheduler, read by the runner, never mutated.
 
-    The tokens computed for request ``r`` this step are positions
-    ``[num_computed_tokens, num_computed_tokens + num_scheduled_tokens[r])`` of
-    ``all_token_ids + scheduled_spec_decode_tokens[r]``.
-    """
+    The tokens computed for request ``r`` this step are positions ``[num_computed_tokens, num_computed_tokens +
+    num_scheduled_tokens[r])`` of ``all_token_ids + scheduled_spec_decode_tokens[r]``."""
 
     step_id: int
     scheduled_new_reqs: list[NewRequestData]

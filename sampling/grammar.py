@@ -146,7 +146,7 @@ class StructuredOutputs:
             error = future.exception()
             if error is not None:
                 request.status = RequestStatus.FINISHED_ERROR
-                failed.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR,
+                failed.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT,
                                                error=f"structured_outputs: {error}"))
                 continue
             self.matchers[rid] = self.backend.matcher(future.result())
@@ -179,7 +179,9 @@ class StructuredOutputs:
         self.backend.fill_bitmask(bitmask, items)
         return GrammarBitmask(req_ids, num_rows, bitmask)
 
-    def commit(self, outputs: EngineCoreOutputs) -> None:
+    def commit(self, outputs: EngineCoreOutputs) -> dict[str, str]:
+        """Advance the matchers by the step's committed tokens. Returns, per request whose grammar
+        refused one, why: the kernel finishes it with that error, without the step's tokens."""
         advance = []
         for out in outputs.outputs:
             matcher = self.matchers.get(out.req_id)
@@ -190,16 +192,22 @@ class StructuredOutputs:
             refused = accept_many([(m, tokens) for _, m, tokens in advance])
         else:
             refused = [not self.backend.accept(m, tokens) for _, m, tokens in advance]
+        errors = {}
         for (rid, _, tokens), bad in zip(advance, refused):
             if bad:
-                # The mask allows only what the grammar does, so either every token was masked (the
-                # request's allowed_token_ids, bad_words or min_tokens left none the grammar allows:
-                # the sampler then takes token 0) or the backend disagrees with its own mask.
-                logger.warning("request %s: the grammar refused committed tokens %s (its other constraints may "
-                               "leave no token the grammar allows)", rid, tokens)
+                # The mask allows only what the grammar does, so every token was masked: the
+                # request's allowed_token_ids, logit_bias, bad_words or min_tokens left none the
+                # grammar allows (the sampler then takes token 0), or the backend disagrees with its
+                # own mask.
+                generated = self._requests[rid].num_output_tokens - len(tokens)
+                errors[rid] = (f"structured_outputs: after {generated} generated tokens the request's other "
+                               "constraints (allowed_token_ids, logit_bias, bad_words, min_tokens) left no token "
+                               "the grammar allows")
+                logger.info("request %s: %s (sampled %s)", rid, errors[rid], tokens)
         for out in outputs.outputs:
-            if out.finished:
+            if out.finished or out.req_id in errors:
                 self._forget(out.req_id)
+        return errors
 
     def remove(self, request_ids: Iterable[str]) -> list[Request]:
         """Forget aborted requests; those still waiting for their grammar are returned, aborted."""

@@ -94,6 +94,25 @@ def test_invalid_constraints_are_400_naming_the_field(client: openai.OpenAI) -> 
     assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).choices  # still serving
 
 
+def test_constraints_that_conflict_mid_generation_are_a_400(server: ServerThread, client: openai.OpenAI) -> None:
+    """allowed_token_ids that hold the grammar's first tokens but not a later one: the request is a
+    400 naming the conflict (streamed: an error event, then [DONE]), not tokens the grammar refused;
+    the server serves on."""
+    model = _model(client)
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": model, "prompt": "a"}).json()["tokens"] + \
+        httpx.post(f"{server.url}/tokenize", json={"model": model, "prompt": "b"}).json()["tokens"]
+    body = {"model": model, "prompt": "x", "max_tokens": 8, "temperature": 0.0, "allowed_token_ids": tok,
+            "structured_outputs": {"regex": "[ab]{2}c"}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "after 2 generated tokens" in error["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "after 2 generated tokens" in json.loads(events[-2])["error"]["message"]
+    assert client.completions.create(model=model, prompt="x", max_tokens=3).choices  # still serving
+
+
 def test_forced_tool_calls_validate(client: openai.OpenAI) -> None:
     model = _model(client)
     messages = [{"role": "user", "content": "What is the weather in Oslo?"}]

@@ -278,5 +278,40 @@ def test_a_grammar_that_fails_in_the_engine_finishes_its_request_only(llm):
         for out in core.step().outputs:
             outs.setdefault(out.req_id, []).append(out)
         core.post_step()
-    assert outs["bad"][-1].finish_reason == "error" and "regex" in outs["bad"][-1].error
+    assert outs["bad"][-1].finish_reason == "abort" and "regex" in outs["bad"][-1].error
     assert outs["good"][-1].finished and outs["good"][-1].finish_reason != "error"
+
+
+def test_constraints_that_leave_no_token_mid_generation_finish_the_request_with_an_error(llm):
+    """A grammar whose next token the request's ``allowed_token_ids`` all forbid, past the first
+    token: the request finishes there as aborted with an error naming the constraints (it used to
+    sample token 0 and go on), without that step's token, its blocks freed; others go on."""
+    a, b = _ids("a"), _ids("b")
+    assert len(a) == len(b) == 1
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"regex": "[ab]{2}c"},
+                            allowed_token_ids=a + b)
+    good = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[ab]{2}c"})
+    bad, fine = llm.generate(["x", "x"], [params, good], use_tqdm=False)
+    out = bad.outputs[0]
+    assert out.finish_reason == "abort" and out.token_ids and set(out.token_ids) <= set(a + b)
+    assert len(out.token_ids) == 2 and "after 2 generated tokens" in bad.error and "allowed_token_ids" in bad.error
+    assert fine.error is None and fine.outputs[0].text.endswith("c") and fine.outputs[0].finish_reason == "stop"
+    kv = llm.core.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks - 1 and not llm.core.has_unfinished_requests(), "KV blocks leaked"
+
+
+async def test_the_async_engine_raises_a_value_error_for_a_request_it_refused_while_running():
+    from specloop import AsyncEngine
+
+    a, b = _ids("a"), _ids("b")
+    engine = AsyncEngine.from_engine_args(device="cpu", max_model_len=256)
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"regex": "[ab]{2}c"},
+                                allowed_token_ids=a + b)
+        with pytest.raises(ValueError, match="structured_outputs: after 2 generated tokens"):
+            async for _ in engine.generate("x", params, "a"):
+                pass
+        good = SamplingParams(max_tokens=4, temperature=0.0)
+        assert [o async for o in engine.generate("x", good, "b")][-1].finished
+    finally:
+        await engine.shutdown()
