@@ -22,7 +22,7 @@ the GPU runner shares its cache layout, so either reads a cache the other wrote)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -145,12 +145,7 @@ class TorchAttentionBackend:
         block_size = key_cache.shape[1]
         group = q.shape[1] // key_cache.shape[2]
         out = torch.empty_like(q)
-        qsl = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+        for start, end, seq_len, blocks in _requests(meta, block_size):
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]
             values = value_cache[blocks].flatten(0, 1)[:seq_len]
             out[start:end] = _attend(q[start:end], keys, values, seq_len - (end - start), group, scale)
@@ -169,12 +164,7 @@ class TorchAttentionBackend:
         block_size, rank = kv_cache.shape[1], q_nope.shape[-1]
         q = torch.cat([q_nope, q_rope], dim=-1)
         out = torch.empty_like(q_nope)
-        qsl = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+        for start, end, seq_len, blocks in _requests(meta, block_size):
             rows = kv_cache[blocks].flatten(0, 1)[:seq_len, None, :]  # one "KV head" for every query head
             out[start:end] = _attend(q[start:end], rows, rows[..., :rank], seq_len - (end - start), q.shape[1],
                                      scale)
@@ -186,6 +176,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _requests(meta: AttentionMetadata, block_size: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """Per request with query tokens this step: its query rows ``[start, end)``, its context length
+    and the ids of the cache blocks that hold it."""
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        if end > start:
+            yield start, end, seq_len, meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, group: int,
