@@ -111,10 +111,13 @@ class LLGuidanceBackend:
         return compiled.deep_copy()
 
     def fill_bitmask(self, bitmask: np.ndarray, items: Sequence[tuple[Any, int, list[int]]]) -> None:
-        from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+        from llguidance.numpy import (fill_next_token_bitmask, fill_next_token_bitmask_par,
+                                      fill_next_token_bitmask_par_with_draft_tokens)
 
         plain = [(m, row) for m, row, drafts in items if not drafts]
-        if plain:
+        if len(plain) == 1 and len(items) == 1:  # on this thread: the first-token check runs beside the step's fills
+            fill_next_token_bitmask(plain[0][0], bitmask, plain[0][1])
+        elif plain:
             fill_next_token_bitmask_par(self._executor, plain, bitmask)
         with_drafts = [item for item in items if item[2]]
         if with_drafts:
