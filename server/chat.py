@@ -59,9 +59,10 @@ class ToolOutput:
     parser: ToolParser | None = None
 
     def split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished choice; a forced call cut short by its length limit
-        stays content, as it is not valid JSON."""
-        if self.choice == "named" and finish_reason != "length":
+        """(content, calls) of a finished choice. A named function's call is its text even when its
+        length limit cut the arguments short (``finish_reason`` "length"), as its stream sent them;
+        "required" calls cut short stay content (not a list of calls yet)."""
+        if self.choice == "named":
             return None, [ToolCall(self.named or "", text)]
         if self.choice == "required" and finish_reason != "length":
             try:

@@ -142,6 +142,28 @@ def test_forced_tool_calls_validate(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
+def test_a_named_call_cut_short_is_the_same_call_streamed_or_not(client: openai.OpenAI) -> None:
+    """A named function's arguments cut short by ``max_tokens`` (finish_reason "length"): the whole
+    response holds them as that call's arguments, as the stream's deltas do (it used to return them
+    as content while the stream sent a call)."""
+    model = _model(client)
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=4,
+                  temperature=0.0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    streamed, names, finish = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                names += [d.function.name] if d.function.name else []
+                streamed += d.function.arguments or ""
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    assert call.function.name == "get_weather" and names == ["get_weather"] and finish == "length"
+    assert call.function.arguments == streamed and streamed.startswith("{")
+
+
 def test_a_tool_round_trip_is_accepted(client: openai.OpenAI) -> None:
     model = _model(client)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"}]
