@@ -122,6 +122,8 @@ class LLGuidanceBackend:
         with_drafts = [item for item in items if item[2]]
         if with_drafts:
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+            for matcher, row, drafts in with_drafts:
+                _mask_past_the_end(matcher, row, drafts, bitmask, fill_next_token_bitmask)
 
     def accept_many(self, items: Sequence[tuple[Any, list[int]]]) -> list[bool]:
         """:meth:`accept` for many matchers, returning for each whether a token was refused.
@@ -138,6 +140,28 @@ class LLGuidanceBackend:
             if not matcher.consume_token(token):
                 return False
         return True
+
+
+def _mask_past_the_end(matcher: Any, row: int, drafts: list[int], bitmask: np.ndarray, fill: Any) -> None:
+    """llguidance leaves the rows after a draft unmasked once the grammar has ended (it allows only
+    EOS, which a request with ``ignore_eos`` or ``min_tokens`` does not stop at), as it does after a
+    draft the grammar refuses. A refused draft is rejected at its own row, but an EOS draft is
+    accepted, and the rows after it would then sample anything: give them the ended grammar's mask,
+    as each step without drafts would."""
+    ended, consumed = None, 0
+    for j, token in enumerate(drafts):
+        if not (bitmask[row + j, token >> 5] >> (token & 31)) & 1:
+            return  # refused here: the rows after it are never sampled
+        if (bitmask[row + j + 1] == -1).all():  # unmasked after an allowed draft: the end, or a free row
+            ended = ended or matcher.deep_copy()
+            for t in drafts[consumed:j + 1]:
+                if not ended.is_stopped():
+                    ended.consume_token(t)
+            consumed = j + 1
+            if ended.is_stopped():
+                for r in range(row + j + 1, row + len(drafts) + 1):
+                    fill(ended, bitmask, r)
+                return
 
 
 def _first_lines(message: str, limit: int = 600) -> str:

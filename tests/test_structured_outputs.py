@@ -189,6 +189,37 @@ def test_greedy_is_identical_with_drafts_under_a_grammar(llm, llm_ngram):
     assert drafted > 0 and accepted < drafted  # drafts were verified, and the grammar rejected some
 
 
+def test_rows_after_an_ended_grammar_s_eos_draft_allow_only_what_it_ends_with():
+    """A complete grammar allows only EOS; with ``ignore_eos`` or ``min_tokens`` the request goes on
+    and drafts may hold EOS. llguidance leaves the rows after it unmasked, which would sample
+    anything there: they get the ended grammar's mask, as steps without drafts do."""
+    _, backend = _manager()
+    params = StructuredOutputsParams(choice=["no", "yes"])
+    (no,) = _ids("no")
+    for committed, drafts, ended_from in (([no], [0, 5, 7], 0), ([], [no, 0, 5], 1)):
+        matcher = backend.matcher(backend.compile(params, (0,)))
+        assert backend.accept(matcher, committed)
+        mask = np.full((4, 256), -1, dtype=np.int32)
+        backend.fill_bitmask(mask, [(matcher, 0, drafts)])
+        for row in range(ended_from, 4):
+            assert _allowed(mask, row, 0) and not any(_allowed(mask, row, t) for t in range(1, 8192)), (drafts, row)
+    mask = np.full((4, 256), -1, dtype=np.int32)  # a draft refused before the end: the rows after it stay as they were
+    backend.fill_bitmask(mask, [(backend.matcher(backend.compile(params, (0,))), 0, [no, 7, 5])])
+    assert not _allowed(mask, 1, 7) and (mask[2] == -1).all()
+
+
+def test_greedy_past_an_ended_grammar_is_identical_with_drafts(llm, llm_ngram):
+    """ignore_eos past a complete grammar: EOS after EOS without drafts, and the same with n-gram
+    drafts (which propose EOS there; the rows after an accepted EOS draft sampled anything)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]})
+    plain = llm.generate(PROMPTS, params, use_tqdm=False)
+    before = llm_ngram.get_metrics()
+    spec = llm_ngram.generate(PROMPTS, params, use_tqdm=False)
+    accepted = llm_ngram.get_metrics()["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain] and accepted > 0
+    assert all(o.outputs[0].text in ("yes", "no") and len(o.outputs[0].token_ids) == 16 for o in plain)
+
+
 def test_preempted_requests_keep_their_grammar(llm):
     small = LLM(device="cpu", max_model_len=128, num_kv_blocks=14, block_size=16)
     params = _json_params(0.0)
