@@ -128,15 +128,13 @@ class LLGuidanceBackend:
     def accept_many(self, items: Sequence[tuple[Any, list[int]]]) -> list[bool]:
         """:meth:`accept` for many matchers, returning for each whether a token was refused.
         Single tokens are consumed on the executor's threads, without the GIL."""
-        single = [k for k, (m, t) in enumerate(items) if len(t) == 1 and not m.is_stopped()]
+        single = [k for k, (m, t) in enumerate(items) if len(t) == 1]
         ok = dict(zip(single, self._executor.consume_token_par([(items[k][0], items[k][1][0]) for k in single])
                       if single else []))
         return [not ok[k] if k in ok else not self.accept(m, t) for k, (m, t) in enumerate(items)]
 
     def accept(self, matcher: Any, token_ids: list[int]) -> bool:
-        for token in token_ids:
-            if matcher.is_stopped():  # complete: only EOS (or nothing) follows
-                return True
+        for token in token_ids:  # once complete, EOS is still consumed; anything else is refused
             if not matcher.consume_token(token):
                 return False
         return True

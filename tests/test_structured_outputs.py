@@ -203,6 +203,8 @@ def test_rows_after_an_ended_grammar_s_eos_draft_allow_only_what_it_ends_with():
         backend.fill_bitmask(mask, [(matcher, 0, drafts)])
         for row in range(ended_from, 4):
             assert _allowed(mask, row, 0) and not any(_allowed(mask, row, t) for t in range(1, 8192)), (drafts, row)
+    ended = backend.matcher(backend.compile(params, (0,)))
+    assert backend.accept(ended, [no, 0, 0]) and not backend.accept(ended, [5])  # past the end: EOS only
     mask = np.full((4, 256), -1, dtype=np.int32)  # a draft refused before the end: the rows after it stay as they were
     backend.fill_bitmask(mask, [(backend.matcher(backend.compile(params, (0,))), 0, [no, 7, 5])])
     assert not _allowed(mask, 1, 7) and (mask[2] == -1).all()
