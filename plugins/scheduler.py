@@ -368,7 +368,8 @@ class FCFSScheduler:
 
 class PriorityScheduler(FCFSScheduler):
     """Waiting requests ordered by ``(priority, arrival_time)`` (lower first); the victim is the
-    running request with the lowest priority, the latest arrival among equals."""
+    running request with the lowest priority, the latest arrival among equals, the latest admitted
+    among those."""
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
         super().__init__(config, kv_cache)
@@ -385,7 +386,9 @@ class PriorityScheduler(FCFSScheduler):
         self.enqueue(request)
 
     def select_victim(self) -> Request:
-        return max(self.running, key=self._key)
+        # Among equals (the n completions of one request share priority and arrival) the one
+        # admitted last: preempting the one furthest along had equals preempt each other forever.
+        return max(reversed(self.running), key=self._key)
 
 
 @hookimpl

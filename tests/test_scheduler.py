@@ -253,6 +253,26 @@ def test_priority_victim_already_scheduled_this_step_is_taken_back():
 
 
 @pytest.mark.parametrize("cls", [FCFSScheduler, PriorityScheduler])
+def test_equal_requests_that_do_not_fit_together_all_finish(cls):
+    """The ``n`` completions of one request share its priority and arrival time and sample tokens
+    of their own. Where they do not fit together, the one preempted must be the one admitted last:
+    preempting the one furthest along (the first of equals) had them preempt each other forever,
+    each re-prefill (in chunks of 8) giving the others time to evict its cached blocks."""
+    sched = make(cls, block_size=4, num_blocks=36, max_model_len=128, threshold=8)
+    for i in range(3):
+        sched.add_request(req(f"{i}_r", 62, start=10, max_tokens=57, arrival=5.0))
+    steps = 0
+    while sched.has_unfinished_requests() and steps < 1000:
+        plan = sched.schedule()
+        ids = list(plan.num_scheduled_tokens)
+        done = [sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens for r in ids]
+        sched.update_from_output(plan, ModelRunnerOutput(ids, [[7 + int(r[0])] if d else [] for r, d in zip(ids, done)]))
+        steps += 1
+    assert not sched.has_unfinished_requests(), [(r.request_id, r.num_preemptions) for r in sched.requests.values()]
+    assert sched.kv_cache.usage == 0.0 and steps < 300, steps
+
+
+@pytest.mark.parametrize("cls", [FCFSScheduler, PriorityScheduler])
 def test_lone_request_that_cannot_grow_is_preempted_then_fits_again(cls):
     sched = make(cls, block_size=4, num_blocks=3, max_model_len=8)  # 2 usable blocks
     sched.add_request(req("a", 4, start=10, max_tokens=4))
