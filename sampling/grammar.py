@@ -145,7 +145,7 @@ class StructuredOutputs:
             del self._pending[rid]
             error = future.exception()
             if error is not None:
-                request.status = RequestStatus.FINISHED_ERROR
+                request.status = RequestStatus.FINISHED_ABORTED  # the request's error, not the engine's
                 failed.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT,
                                                error=f"structured_outputs: {error}"))
                 continue

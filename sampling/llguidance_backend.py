@@ -151,7 +151,8 @@ def _mask_past_the_end(matcher: Any, row: int, drafts: list[int], bitmask: np.nd
         if not (bitmask[row + j, token >> 5] >> (token & 31)) & 1:
             return  # refused here: the rows after it are never sampled
         if (bitmask[row + j + 1] == -1).all():  # unmasked after an allowed draft: the end, or a free row
-            ended = ended or matcher.deep_copy()
+            if ended is None:
+                ended = matcher.deep_copy()
             for t in drafts[consumed:j + 1]:
                 if not ended.is_stopped():
                     ended.consume_token(t)
