@@ -266,7 +266,8 @@ def test_equal_requests_that_do_not_fit_together_all_finish(cls):
         plan = sched.schedule()
         ids = list(plan.num_scheduled_tokens)
         done = [sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens for r in ids]
-        sched.update_from_output(plan, ModelRunnerOutput(ids, [[7 + int(r[0])] if d else [] for r, d in zip(ids, done)]))
+        sampled = [[7 + int(r[0])] if d else [] for r, d in zip(ids, done)]  # a token of each one's own
+        sched.update_from_output(plan, ModelRunnerOutput(ids, sampled))
         steps += 1
     assert not sched.has_unfinished_requests(), [(r.request_id, r.num_preemptions) for r in sched.requests.values()]
     assert sched.kv_cache.usage == 0.0 and steps < 300, steps

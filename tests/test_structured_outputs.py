@@ -213,7 +213,8 @@ def test_rows_after_an_ended_grammar_s_eos_draft_allow_only_what_it_ends_with():
 def test_greedy_past_an_ended_grammar_is_identical_with_drafts(llm, llm_ngram):
     """ignore_eos past a complete grammar: EOS after EOS without drafts, and the same with n-gram
     drafts (which propose EOS there; the rows after an accepted EOS draft sampled anything)."""
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                            structured_outputs={"choice": ["yes", "no"]})
     plain = llm.generate(PROMPTS, params, use_tqdm=False)
     before = llm_ngram.get_metrics()
     spec = llm_ngram.generate(PROMPTS, params, use_tqdm=False)
